@@ -1,0 +1,34 @@
+"""Shared helpers for benchmarks: result files carry device, date, commit and command."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import jax
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    kind = getattr(d, "device_kind", d.platform)
+    return f"{d.platform}:{kind}" if d.platform != "cpu" else f"cpu:{platform.processor() or platform.machine()}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(path, result: dict, command: str):
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    rec = {"device": device_name(), "jax": jax.__version__, "date": now, "commit": git_commit(), "command": command,
+           "result": result}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(rec, indent=2) + "\n")
+    return rec

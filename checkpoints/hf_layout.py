@@ -1,0 +1,168 @@
+"""The official checkpoint's tensor names and formats, mapped onto our parameter tree.
+
+Every official tensor (reference module parameter names, no ``model.`` prefix) corresponds to one slice
+of one of our stacked leaves. `checkpoint_entries(cfg)` lists them with their stored dtype and shape:
+
+- FP8 E4M3 + ``.scale`` F8_E8M0 per 32x32 block: attention wq_a / wq_b / wkv / wo_a / wo_b, shared experts,
+  indexer wq_b, Engram wkv (wo_a is dequantized to bf16 on import: the model runs it in bf16);
+- routed experts: I8 [out, in/2] (two E2M1 per byte, low nibble = even element) + ``.scale`` F8_E8M0 [out, in/32];
+- Engram tables: F8_E4M3 [rows, head_dim] + ``.scale`` F8_E8M0 [rows, head_dim/32];
+- BF16: embed, head, norms, compressors, indexer wk / weights_proj, gate weight, Engram q/k weights;
+- F32: attn_sink, gate bias, mHC fn / base / scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from dsv41_jax.config import KIND_SRC, ModelConfig
+from dsv41_jax.params import source_slots
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+I8 = np.dtype(np.int8)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # official tensor name
+    path: tuple  # our leaf path
+    index: tuple  # index into the stacked leaf
+    fmt: str  # dense | fp8 (weight+scale) | fp4 (expert weight+scale) | table (fp8 rows + scale)
+    dtype: np.dtype  # stored dtype of the weight (dense) in the checkpoint
+    shape: tuple  # logical shape of the weight
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
+    D, H, d, qL = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
+    G, oL, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_inter_dim
+    M, hcD = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * D
+    Hi, di = cfg.index_n_heads, cfg.index_head_dim
+    out = [Entry("embed.weight", ("embed", "weight"), (), "dense", BF16, (cfg.vocab_size, D)),
+           Entry("norm.weight", ("norm", "weight"), (), "dense", BF16, (D,)),
+           Entry("head.weight", ("head", "weight"), (), "dense", BF16, (cfg.vocab_size, D))]
+    slots, _ = source_slots(cfg)
+    eng = {l: i for i, l in enumerate(cfg.engram_layer_ids)}
+    lay = cfg.engram_layout
+    for l in range(cfg.n_layers):
+        p = f"layers.{l}."
+        ix = (l,)
+
+        def add(name, path, fmt, dtype, shape, index=ix):
+            out.append(Entry(p + name, path, index, fmt, dtype, shape))
+
+        for sub in ("attn", "ffn"):
+            add(f"hc_{sub}_fn", ("layers", f"hc_{sub}_fn"), "dense", F32, (M, hcD))
+            add(f"hc_{sub}_base", ("layers", f"hc_{sub}_base"), "dense", F32, (M,))
+            add(f"hc_{sub}_scale", ("layers", f"hc_{sub}_scale"), "dense", F32, (3,))
+        add("attn_norm.weight", ("layers", "attn_norm"), "dense", BF16, (D,))
+        add("ffn_norm.weight", ("layers", "ffn_norm"), "dense", BF16, (D,))
+        a = ("layers", "attn")
+        add("attn.attn_sink", a + ("attn_sink",), "dense", F32, (H,))
+        add("attn.wq_a.weight", a + ("wq_a",), "fp8", E4M3, (qL, D))
+        add("attn.q_norm.weight", a + ("q_norm",), "dense", BF16, (qL,))
+        add("attn.wq_b.weight", a + ("wq_b",), "fp8", E4M3, (H * d, qL))
+        add("attn.wkv.weight", a + ("wkv",), "fp8", E4M3, (d, D))
+        add("attn.kv_norm.weight", a + ("kv_norm",), "dense", BF16, (d,))
+        add("attn.wo_a.weight", a + ("wo_a",), "fp8_to_bf16", E4M3, (G * oL, H * d // G))
+        add("attn.wo_b.weight", a + ("wo_b",), "fp8", E4M3, (D, G * oL))
+        if l in slots:
+            key, s = slots[l]
+            si = (s,)
+            if cfg.layer_kind(l) == KIND_SRC:
+                c = (key, "compressor")
+                add("attn.compressor.wkv.weight", c + ("wkv",), "dense", BF16, (d, D), si)
+                if cfg.compress_ratios[l] > 1:
+                    add("attn.compressor.wgate.weight", c + ("wgate",), "dense", BF16, (d, D), si)
+                add("attn.compressor.norm.weight", c + ("norm",), "dense", BF16, (d,), si)
+                add("attn.indexer.wk.weight", (key, "indexer", "wk"), "dense", BF16, (di, d), si)
+                add("attn.indexer.k_norm.weight", (key, "indexer", "k_norm"), "dense", BF16, (di,), si)
+            add("attn.indexer.wq_b.weight", (key, "indexer", "wq_b"), "fp8", E4M3, (Hi * di, qL), si)
+            add("attn.indexer.weights_proj.weight", (key, "indexer", "weights_proj"), "dense", BF16, (Hi, D), si)
+        f = ("layers", "ffn")
+        add("ffn.gate.weight", f + ("gate", "weight"), "dense", BF16, (E, D))
+        add("ffn.gate.bias", f + ("gate", "bias"), "dense", F32, (E,))
+        for e in range(E):
+            for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+                add(f"ffn.experts.{e}.{w}.weight", f + ("experts", w), "fp4", I8, shp, (l, e))
+        for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+            add(f"ffn.shared_experts.{w}.weight", f + ("shared", w), "fp8", E4M3, shp)
+        if l in eng:
+            i = eng[l]
+            g = ("engram", i)
+            rows = cfg.engram_rows[i]
+            add("engram.q_weight", g + ("q_weight",), "dense", BF16, (cfg.hc_mult, D), ())
+            add("engram.k_weight", g + ("k_weight",), "dense", BF16, (cfg.hc_mult, D), ())
+            add("engram.embed.weight", g + ("embed",), "table", E4M3, (rows, lay.head_dim), ())
+            add("engram.wkv.weight", g + ("wkv",), "fp8", E4M3, (D * (cfg.hc_mult + 1), lay.n_cols * lay.head_dim),
+                ())
+    return out
+
+
+def scale_shape(e: Entry) -> tuple | None:
+    out, inp = e.shape[-2], e.shape[-1]
+    if e.fmt in ("fp8", "fp8_to_bf16"):
+        return (_ceil(out, 32), _ceil(inp, 32))
+    if e.fmt in ("fp4", "table"):
+        return (out, inp // 32)
+    return None
+
+
+def stored_shape(e: Entry) -> tuple:
+    return (e.shape[0], e.shape[1] // 2) if e.fmt == "fp4" else e.shape
+
+
+def _leaf(params, path):
+    node = params
+    for k in path:
+        node = node[k]
+    return node
+
+
+def export_tensors(cfg: ModelConfig, params, module_format: bool = False):
+    """Yield (official name, numpy array) in checkpoint formats, one tensor at a time.
+
+    module_format=True keeps wo_a in bf16 (as the reference module holds it after its converter)."""
+    from dsv41_jax import quant
+
+    for e in checkpoint_entries(cfg):
+        node = _leaf(params, e.path)
+        if e.fmt == "dense":
+            yield e.name, np.asarray(node[e.index]).astype(e.dtype)
+            continue
+        if e.fmt == "fp8_to_bf16" and module_format:
+            yield e.name, np.asarray(node[e.index]).astype(BF16)
+            continue
+        if e.fmt in ("fp8", "fp8_to_bf16"):
+            if isinstance(node, dict) and "scale" in node:
+                w, s = node["weight"][e.index], node["scale"][e.index]
+            else:
+                w = node["weight"][e.index] if isinstance(node, dict) else node[e.index]
+                w, s = quant.quantize_weight_fp8(w)
+            yield e.name, np.asarray(w).astype(E4M3)
+            yield e.name[:-len("weight")] + "scale", np.asarray(s).astype(E8M0)
+        elif e.fmt == "fp4":
+            if "scale" in node:
+                w, s = node["weight"][e.index], node["scale"][e.index]
+            else:
+                w, s = quant.quantize_weight_fp4(node["weight"][e.index])
+            yield e.name, np.asarray(w).view(I8)
+            yield e.name[:-len("weight")] + "scale", np.asarray(s).astype(E8M0)
+        elif e.fmt == "table":
+            if "scale" in node:
+                w, s = node["weight"], node["scale"]
+            else:
+                import jax
+                q, codes = quant.fp8_encode(node["weight"], 32)
+                w, s = q, jax.lax.bitcast_convert_type(codes, ml_dtypes.float8_e8m0fnu)
+            yield e.name, np.asarray(w).astype(E4M3)
+            yield e.name[:-len("weight")] + "scale", np.asarray(s).astype(E8M0)

@@ -1,0 +1,207 @@
+"""CSA2 attention pieces (MODEL.md §2.3-2.5): the sparse gather attention with an attention sink, the
+sliding-window index lists (with the replay clip), the compressor, the lightning indexer and the layer-20
+candidate-block filter.
+
+Numerics follow the reference kernels:
+- scores are q·k in f32 then times 512^-0.5; the softmax runs online over 64-entry chunks of the index list
+  and the unnormalised probabilities are rounded to bf16 before P·V (emulated exactly: the running max at each
+  chunk is a cumulative max, so the chunk ordering of the list matters and is kept as the reference's);
+- indexer scores are a bf16 einsum, ReLU, times bf16 weights, summed over heads (f32 accumulation, bf16 result);
+- every top-k breaks ties lower-index-first (lax.top_k), then the picks are re-sorted by position and the
+  unreachable ones (position >= (t+1)//ratio) become -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import quant
+from dsv41_jax.layers import F32, cdtype, dense, linear, mm, rms_norm
+from dsv41_jax.rope import apply_rope
+
+NEG_INF = float("-inf")
+SOFTMAX_CHUNK = 64
+
+
+# ----------------------------------------------------------------------------- sparse attention
+def sparse_attention(cfg, q, keys, valid, sink, scale):
+    """q [B,T,H,d], keys [B,T,K,d] (gathered per query), valid [B,T,K], sink [H] -> [B,T,H,d].
+
+    out_h = sum_j e^{s_hj-m} v_j / (sum_j e^{s_hj-m} + e^{sink_h-m}), K = V = the same latent.
+    """
+    B, T, K, d = keys.shape
+    s = mm(q, keys, "bthd,btkd->bthk")
+    s = jnp.where(valid[:, :, None, :], s, NEG_INF) * scale
+    pad = -K % SOFTMAX_CHUNK
+    if pad:
+        s = jnp.pad(s, [(0, 0)] * 3 + [(0, pad)], constant_values=NEG_INF)
+        keys = jnp.pad(keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
+    nc = (K + pad) // SOFTMAX_CHUNK
+    sc = s.reshape(B, T, -1, nc, SOFTMAX_CHUNK)
+    run_max = jnp.maximum(jax.lax.cummax(jnp.max(sc, axis=-1), axis=3), -1e30)  # [B,T,H,nc]
+    p = jnp.exp(sc - run_max[..., None])
+    final = run_max[..., -1]
+    corr = jnp.exp(run_max - final[..., None])
+    denom = jnp.sum(jnp.sum(p, axis=-1) * corr, axis=-1) + jnp.exp(sink.astype(F32) - final)
+    pr = p.astype(cdtype(cfg)).astype(F32) if cfg.compute_dtype == "bfloat16" else p
+    kc = keys.astype(F32).reshape(B, T, nc, SOFTMAX_CHUNK, d)
+    num = jnp.einsum("bthcj,btcjd,bthc->bthd", pr, kc, corr, precision=jax.lax.Precision.HIGHEST)
+    return (num / denom[..., None]).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- window
+def window_positions(qpos, clip, W: int, fresh: bool):
+    """Positions each query reads from its sliding window, in the reference's list order.
+
+    qpos [B,T]; clip [B] (replay_start: positions below it are never read). Decode/continuation order:
+    W slots for positions t-W+1..t (oldest first). Fresh prefill order (a chunk starting at 0, as the
+    reference's start_pos==0 path): min(T, W) slots from max(0, t-W+1). Invalid slots are -1.
+    """
+    T = qpos.shape[1]
+    Wl = min(T, W) if fresh else W
+    i = jnp.arange(Wl, dtype=jnp.int32)
+    t = qpos[..., None]
+    base = jnp.maximum(t - W + 1, 0) if fresh else t - W + 1
+    pos = base + i
+    ok = (pos >= 0) & (pos <= t) & (pos >= clip[:, None, None])
+    return jnp.where(ok, pos, -1)
+
+
+def window_store_index(pos, pos0, W: int, fresh: bool):
+    """Index into the window store: the chunk alone when fresh, else concat(ring[W], chunk)."""
+    if fresh:
+        return jnp.maximum(pos, 0)
+    rel = pos - pos0[:, None, None]
+    return jnp.where(rel >= 0, W + rel, jnp.mod(pos, W))
+
+
+def ring_update(ring, kv, pos0, W: int):
+    """New ring after appending chunk kv [B,T,d] at positions pos0..pos0+T-1: slot s holds the latest
+    position p with p % W == s."""
+    T = kv.shape[1]
+    last = pos0 + T - 1  # [B]
+    s = jnp.arange(W, dtype=jnp.int32)
+    p = last[:, None] - jnp.mod(last[:, None] - s, W)  # [B,W]
+    rel = p - pos0[:, None]
+    from_chunk = jnp.take_along_axis(kv, jnp.clip(rel, 0, T - 1)[..., None], axis=1)
+    return jnp.where((rel >= 0)[..., None], from_chunk, ring).astype(ring.dtype)
+
+
+# ----------------------------------------------------------------------------- compressor
+def compress(cfg, p, x, qpos, pos0, ratio: int, kv_state, score_state):
+    """New compressed latents from a chunk (pre-RoPE, RMS-normed), with the partial-group carry.
+
+    Returns latent [B,G,d], entry index j [B,G], valid [B,G] (group complete), and the new carry.
+    Ratio 1: one entry per token. Ratio 2: group j = tokens {2j, 2j+1}; softmax over the two tokens per
+    channel of the f32 gate scores; an incomplete trailing group waits in (kv_state, score_state) [B,r,d].
+    """
+    B, T, _ = x.shape
+    if ratio == 1:
+        lat = rms_norm(cfg, dense(cfg, p["wkv"], x), p["norm"])
+        return lat, qpos, jnp.ones((B, T), bool), kv_state, score_state
+    kv = dense(cfg, p["wkv"], x, f32=True)
+    sc = dense(cfg, p["wgate"], x, f32=True)
+    r = ratio
+    # E = [pending r-1 slots for positions pos0-(r-1)..pos0-1, chunk]; position p sits at p - pos0 + r - 1
+    prev = pos0[:, None] - (r - 1) + jnp.arange(r - 1)  # [B, r-1]
+    slot = jnp.mod(prev, r)
+    pk = jnp.take_along_axis(kv_state, slot[..., None], axis=1)
+    ps = jnp.take_along_axis(score_state, slot[..., None], axis=1)
+    ek = jnp.concatenate([pk, kv], axis=1)
+    es = jnp.concatenate([ps, sc], axis=1)
+    G = (T + r - 1) // r + 1
+    j = pos0[:, None] // r + jnp.arange(G)  # [B,G]
+    members = j[..., None] * r + jnp.arange(r) - pos0[:, None, None] + (r - 1)  # [B,G,r] indices into E
+    mi = jnp.clip(members, 0, T + r - 2).reshape(B, -1)
+    gk = jnp.take_along_axis(ek, mi[..., None], axis=1).reshape(B, G, r, -1)
+    gs = jnp.take_along_axis(es, mi[..., None], axis=1).reshape(B, G, r, -1)
+    pooled = jnp.sum(gk * jax.nn.softmax(gs, axis=2), axis=2)
+    valid = (j + 1) * r <= (pos0 + T)[:, None]
+    lat = rms_norm(cfg, pooled.astype(cdtype(cfg)), p["norm"])
+    # carry: tokens of the trailing incomplete group, stored at slot p % r (others reset)
+    end = pos0 + T
+    gstart = (end // r) * r
+    s = jnp.arange(r)
+    pp = gstart[:, None] + s  # candidate positions of the open group
+    live = pp < end[:, None]
+    src = jnp.clip(pp - pos0[:, None] + (r - 1), 0, T + r - 2)
+    nk = jnp.take_along_axis(ek, src[..., None], axis=1)
+    ns = jnp.take_along_axis(es, src[..., None], axis=1)
+    new_kv = jnp.where(live[..., None], nk, 0.0)
+    new_sc = jnp.where(live[..., None], ns, NEG_INF)
+    return lat, j, valid, new_kv, new_sc
+
+
+def build_entries(cfg, p_comp, p_idx, lat, j, ratio: int, freqs):
+    """From pre-RoPE latents: index keys (k_norm(wk lat), RoPE at j*ratio, FP4/UE8M0-32 qdq) and the
+    stored latent (RoPE at j*ratio, FP4/E4M3-16 qdq)."""
+    k = rms_norm(cfg, dense(cfg, p_idx["wk"], lat), p_idx["k_norm"])
+    k = apply_rope(k, j * ratio, freqs)
+    lat = apply_rope(lat, j * ratio, freqs)
+    if cfg.qdq:
+        k = quant.fp4_qdq(k, 32, "ue8m0")
+        lat = quant.fp4_qdq(lat, 16, "e4m3")
+    return lat, k
+
+
+def write_entries(buf, vals, j, ok):
+    """buf [B,C,e] <- vals [B,G,e] at entry j where ok (others dropped)."""
+    C = buf.shape[1]
+    jj = jnp.where(ok, j, C)  # out of range -> dropped
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, jj].set(vals.astype(buf.dtype), mode="drop")
+
+
+# ----------------------------------------------------------------------------- indexer
+def index_scores(cfg, p, x, qr, qpos, index_k, ratio: int, freqs):
+    """Lightning-indexer scores [B,T,C] over every cache entry; unreachable entries are -inf."""
+    Hi, di = cfg.index_n_heads, cfg.index_head_dim
+    dt = cdtype(cfg)
+    q = linear(cfg, p["wq_b"], qr).reshape(*qr.shape[:-1], Hi, di)
+    q = apply_rope(q, qpos, freqs)
+    if cfg.qdq:
+        q = quant.fp4_qdq(q, 32, "ue8m0")
+    w = (dense(cfg, p["weights_proj"], x).astype(F32) * jnp.float32(di ** -0.5 * Hi ** -0.5)).astype(dt)
+    s = mm(q, index_k.astype(dt), "bthd,bcd->bthc").astype(dt)
+    s = (jnp.maximum(s, 0) * w[..., None]).astype(dt)
+    s = jnp.sum(s.astype(F32), axis=2).astype(dt)
+    C = index_k.shape[1]
+    vis = jnp.arange(C)[None, None, :] < ((qpos + 1) // ratio)[..., None]
+    return jnp.where(vis, s.astype(F32), NEG_INF)
+
+
+def candidate_blocks(cfg, scores, qpos, ratio: int):
+    """Layer-20 block filter: block score = max over blocks of `candidate_block_size` entries, the block
+    holding the newest reachable entry forced in, top `candidate_topk_blocks` blocks kept (-inf dropped).
+    Returns a block mask [B,T,n_blocks]."""
+    bs = cfg.candidate_block_size
+    B, T, C = scores.shape
+    pad = -C % bs
+    sc = jnp.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
+    nb = (C + pad) // bs
+    blk = jnp.max(sc.reshape(B, T, nb, bs), axis=-1)
+    last = ((qpos + 1) // ratio - 1) // bs
+    blk = jnp.where(jnp.arange(nb)[None, None] == last[..., None], jnp.inf, blk)
+    kb = min(cfg.candidate_topk_blocks, nb)
+    vals, idx = jax.lax.top_k(blk, kb)
+    keep = jnp.zeros((B, T, nb), bool)
+    bi = jnp.arange(B)[:, None, None]
+    ti = jnp.arange(T)[None, :, None]
+    return keep.at[bi, ti, idx].set(vals > NEG_INF)
+
+
+def select_topk(cfg, scores, qpos, ratio: int):
+    """Top `index_topk` entries by score (ties: lower index first), re-sorted by position; unreachable -> -1."""
+    C = scores.shape[-1]
+    k = min(cfg.index_topk, C)
+    _, idx = jax.lax.top_k(scores, k)
+    idx = jnp.sort(idx, axis=-1)
+    clen = ((qpos + 1) // ratio)[..., None]
+    return jnp.where(idx < clen, idx, -1).astype(jnp.int32)
+
+
+def mask_to_candidates(scores, block_mask, bs: int):
+    C = scores.shape[-1]
+    m = jnp.repeat(block_mask, bs, axis=-1)[..., :C]
+    return jnp.where(m, scores, NEG_INF)

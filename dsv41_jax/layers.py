@@ -1,0 +1,174 @@
+"""Per-token building blocks with the reference's rounding points: RMSNorm, FP8 linears (with activation
+quantization), single-pass mHC (hc_mixes / hc_pre / hc_post), the sqrtsoftplus MoE, and Engram.
+
+All functions take the ModelConfig first; activations are in cfg.compute_dtype (bf16 as the reference)
+and every reduction that the reference does in f32 is done in f32 here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax import quant
+from dsv41_jax.params import expert_weight, is_quantized, lin_weight
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def cdtype(cfg):
+    return jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else F32
+
+
+def mm(a, b, spec: str):
+    """einsum with f32 accumulation; f32 operands get full precision (no TF32 on GPU)."""
+    prec = HIGHEST if (a.dtype == F32 or b.dtype == F32) else None
+    return jnp.einsum(spec, a, b, preferred_element_type=F32, precision=prec)
+
+
+def rms_norm(cfg, x, w):
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+    return (w.astype(F32) * y).astype(x.dtype)
+
+
+def act_qdq(cfg, x, p):
+    """The reference quantizes a linear's input to FP8 (UE8M0 per 32) iff the weight is FP8/FP4."""
+    return quant.fp8_qdq(x, 32) if (cfg.qdq and is_quantized(p)) else x
+
+
+def linear(cfg, p, x):
+    """y = x W^T for a (possibly FP8 block-32) linear; output rounded to the compute dtype."""
+    dt = cdtype(cfg)
+    x = act_qdq(cfg, x.astype(dt), p)
+    return mm(x, lin_weight(p, dt), "...i,oi->...o").astype(dt)
+
+
+def dense(cfg, w, x, f32: bool = False):
+    """A plain (never quantized) linear: bf16 weights, or f32 math when the reference promotes to f32."""
+    if f32:
+        return mm(x.astype(F32), w.astype(F32), "...i,oi->...o")
+    dt = cdtype(cfg)
+    return mm(x.astype(dt), w.astype(dt), "...i,oi->...o").astype(dt)
+
+
+# ----------------------------------------------------------------------------- mHC
+def hc_mixes(cfg, x, fn, scale, base):
+    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
+    hc = cfg.hc_mult
+    xf = x.astype(F32).reshape(*x.shape[:-2], -1)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+    m = mm(xf, fn.astype(F32), "...i,oi->...o") * r
+    eps = cfg.hc_eps
+    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
+    c = c / jnp.sum(c, axis=-1, keepdims=True) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    def sinkhorn(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    c = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, c)
+    return pre, post, c
+
+
+def hc_pre(x, pre):
+    """Collapse the hc copies: sum_c pre[c] x[c] (f32), cast back."""
+    return jnp.sum(pre[..., None] * x.astype(F32), axis=-2).astype(x.dtype)
+
+
+def hc_post(y, residual, post, comb):
+    """out[j] = post[j] y + sum_i comb[i, j] residual[i]  (f32, cast back to y's dtype)."""
+    mix = jnp.einsum("...ij,...id->...jd", comb, residual.astype(F32), precision=HIGHEST)
+    return (post[..., None] * y.astype(F32)[..., None, :] + mix).astype(y.dtype)
+
+
+# ----------------------------------------------------------------------------- MoE
+def gate(cfg, p, x):
+    """sqrtsoftplus noaux routing: the bias picks experts, weights come from the unbiased scores."""
+    s = jnp.sqrt(jax.nn.softplus(dense(cfg, p["weight"], x, f32=True)))
+    _, idx = jax.lax.top_k(s + p["bias"].astype(F32), cfg.n_activated_experts)
+    w = jnp.take_along_axis(s, idx, axis=-1)
+    if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * cfg.route_scale, idx
+
+
+def _swiglu(cfg, g, u):
+    g, u = g.astype(F32), u.astype(F32)
+    if cfg.swiglu_limit > 0:
+        u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
+        g = jnp.minimum(g, cfg.swiglu_limit)
+    return jax.nn.silu(g) * u
+
+
+def shared_expert(cfg, p, x):
+    h = _swiglu(cfg, linear(cfg, p["w1"], x), linear(cfg, p["w3"], x))
+    return linear(cfg, p["w2"], h.astype(x.dtype))
+
+
+def routed_experts(cfg, p, x, weights, idx):
+    """sum_k weights[k] * Expert_{idx[k]}(x) in f32, via a grouped (ragged) matmul over sorted assignments."""
+    dt = cdtype(cfg)
+    N, D = x.shape
+    k = idx.shape[-1]
+    E = cfg.n_routed_experts
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    quantized = cfg.qdq and is_quantized(p["w1"])
+    xq = quant.fp8_qdq(x.astype(dt), 32) if quantized else x.astype(dt)
+    xs = xq[tok]
+    w1 = jnp.swapaxes(expert_weight(p["w1"], dt), -1, -2)  # [E, D, I]
+    w3 = jnp.swapaxes(expert_weight(p["w3"], dt), -1, -2)
+    w2 = jnp.swapaxes(expert_weight(p["w2"], dt), -1, -2)  # [E, I, D]
+    prec = jax.lax.Precision.HIGHEST if dt == F32 else None
+    g = jax.lax.ragged_dot(xs, w1, sizes, preferred_element_type=F32, precision=prec).astype(dt)
+    u = jax.lax.ragged_dot(xs, w3, sizes, preferred_element_type=F32, precision=prec).astype(dt)
+    h = _swiglu(cfg, g, u) * weights.reshape(-1)[order][:, None]
+    h = h.astype(dt)
+    if quantized:
+        h = quant.fp8_qdq(h, 32)
+    out = jax.lax.ragged_dot(h, w2, sizes, preferred_element_type=F32, precision=prec).astype(dt)
+    return jnp.zeros((N, D), F32).at[tok].add(out.astype(F32))
+
+
+def moe(cfg, p, x):
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    w, idx = gate(cfg, p["gate"], x2)
+    y = routed_experts(cfg, p["experts"], x2, w, idx)
+    y = y + shared_expert(cfg, p["shared"], x2).astype(F32)
+    return y.astype(x.dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- Engram
+def engram_lookup(cfg, p, ids):
+    """Rows of the (FP8, per-32 scaled) table -> [..., n_cols * head_dim] in the compute dtype."""
+    t = p["embed"]
+    rows = jnp.take(t["weight"], ids, axis=0)
+    if "scale" in t:
+        sc = quant.e8m0_to_f32(jnp.take(t["scale"], ids, axis=0))
+        rows = rows.astype(F32).reshape(*rows.shape[:-1], -1, 32) * sc[..., None]
+        rows = rows.reshape(*ids.shape, -1)
+    return rows.astype(cdtype(cfg)).reshape(*ids.shape[:-1], -1)
+
+
+def engram(cfg, p, h, ids):
+    """h [..., hc, D]; ids [..., n_cols] -> h + gate_c * value per hc copy (gate normalised per copy)."""
+    hc, D = cfg.hc_mult, cfg.dim
+    kv = linear(cfg, p["wkv"], engram_lookup(cfg, p, ids))
+    key = kv[..., :hc * D].astype(F32).reshape(*kv.shape[:-1], hc, D)
+    value = kv[..., hc * D:].astype(F32)
+    w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)
+    hf = h.astype(F32)
+    rstd = (jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1) + cfg.norm_eps)
+            * jax.lax.rsqrt(jnp.mean(key * key, axis=-1) + cfg.norm_eps))
+    dot = jnp.sum(hf * w * key, axis=-1) * rstd * (D ** -0.5)
+    g = jax.nn.sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    return (hf + g[..., None] * value[..., None, :]).astype(h.dtype)

@@ -1,0 +1,39 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dsv41_jax  # noqa: E402,F401  (sets XLA flags before JAX starts its backend)
+from dsv41_jax.config import ModelConfig  # noqa: E402
+from dsv41_jax.params import init_params  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny):
+    return jax.jit(lambda: init_params(tiny, 0))()
+
+
+@pytest.fixture(scope="session")
+def tiny32():
+    """f32 compute with every quantize-dequantize point off: paths must agree to f32 rounding."""
+    return ModelConfig.preset("tiny", qdq=False, compute_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny32_params(tiny32):
+    return jax.jit(lambda: init_params(tiny32, 0))()
+
+
+@pytest.fixture(scope="session")
+def tokens():
+    return np.random.default_rng(1234).integers(0, 512, (2, 40)).astype(np.int32)
