@@ -31,6 +31,7 @@ def sparse_attention(cfg, q, keys, valid, sink, scale):
     out_h = sum_j e^{s_hj-m} v_j / (sum_j e^{s_hj-m} + e^{sink_h-m}), K = V = the same latent.
     """
     B, T, K, d = keys.shape
+    keys = jnp.where(valid[..., None], keys, 0)  # never let an unused (possibly stale) slot into P.V
     s = mm(q, keys, "bthd,btkd->bthk")
     s = jnp.where(valid[:, :, None, :], s, NEG_INF) * scale
     pad = -K % SOFTMAX_CHUNK
@@ -76,11 +77,12 @@ def window_store_index(pos, pos0, W: int, fresh: bool):
     return jnp.where(rel >= 0, W + rel, jnp.mod(pos, W))
 
 
-def ring_update(ring, kv, pos0, W: int):
-    """New ring after appending chunk kv [B,T,d] at positions pos0..pos0+T-1: slot s holds the latest
-    position p with p % W == s."""
+def ring_update(ring, kv, pos0, W: int, n_valid=None):
+    """New ring after appending the first n_valid rows of chunk kv [B,T,d] (positions pos0..): slot s holds
+    the latest position p with p % W == s. Padding rows (>= n_valid) never enter the ring."""
     T = kv.shape[1]
-    last = pos0 + T - 1  # [B]
+    n = jnp.full_like(pos0, T) if n_valid is None else n_valid
+    last = pos0 + n - 1  # [B]
     s = jnp.arange(W, dtype=jnp.int32)
     p = last[:, None] - jnp.mod(last[:, None] - s, W)  # [B,W]
     rel = p - pos0[:, None]
@@ -89,8 +91,9 @@ def ring_update(ring, kv, pos0, W: int):
 
 
 # ----------------------------------------------------------------------------- compressor
-def compress(cfg, p, x, qpos, pos0, ratio: int, kv_state, score_state):
-    """New compressed latents from a chunk (pre-RoPE, RMS-normed), with the partial-group carry.
+def compress(cfg, p, x, qpos, pos0, n_valid, ratio: int, kv_state, score_state):
+    """New compressed latents from the first n_valid rows of a chunk (pre-RoPE, RMS-normed), with the
+    partial-group carry.
 
     Returns latent [B,G,d], entry index j [B,G], valid [B,G] (group complete), and the new carry.
     Ratio 1: one entry per token. Ratio 2: group j = tokens {2j, 2j+1}; softmax over the two tokens per
@@ -99,7 +102,7 @@ def compress(cfg, p, x, qpos, pos0, ratio: int, kv_state, score_state):
     B, T, _ = x.shape
     if ratio == 1:
         lat = rms_norm(cfg, dense(cfg, p["wkv"], x), p["norm"])
-        return lat, qpos, jnp.ones((B, T), bool), kv_state, score_state
+        return lat, qpos, qpos < (pos0 + n_valid)[:, None], kv_state, score_state
     kv = dense(cfg, p["wkv"], x, f32=True)
     sc = dense(cfg, p["wgate"], x, f32=True)
     r = ratio
@@ -117,10 +120,10 @@ def compress(cfg, p, x, qpos, pos0, ratio: int, kv_state, score_state):
     gk = jnp.take_along_axis(ek, mi[..., None], axis=1).reshape(B, G, r, -1)
     gs = jnp.take_along_axis(es, mi[..., None], axis=1).reshape(B, G, r, -1)
     pooled = jnp.sum(gk * jax.nn.softmax(gs, axis=2), axis=2)
-    valid = (j + 1) * r <= (pos0 + T)[:, None]
+    end = pos0 + n_valid
+    valid = (j + 1) * r <= end[:, None]
     lat = rms_norm(cfg, pooled.astype(cdtype(cfg)), p["norm"])
     # carry: tokens of the trailing incomplete group, stored at slot p % r (others reset)
-    end = pos0 + T
     gstart = (end // r) * r
     s = jnp.arange(r)
     pp = gstart[:, None] + s  # candidate positions of the open group
@@ -143,14 +146,6 @@ def build_entries(cfg, p_comp, p_idx, lat, j, ratio: int, freqs):
         k = quant.fp4_qdq(k, 32, "ue8m0")
         lat = quant.fp4_qdq(lat, 16, "e4m3")
     return lat, k
-
-
-def write_entries(buf, vals, j, ok):
-    """buf [B,C,e] <- vals [B,G,e] at entry j where ok (others dropped)."""
-    C = buf.shape[1]
-    jj = jnp.where(ok, j, C)  # out of range -> dropped
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, jj].set(vals.astype(buf.dtype), mode="drop")
 
 
 # ----------------------------------------------------------------------------- indexer

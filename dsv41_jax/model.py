@@ -28,6 +28,7 @@ from dsv41_jax import attention as A
 from dsv41_jax import layers as Lyr
 from dsv41_jax import quant
 from dsv41_jax.config import KIND_IDX, KIND_REUSE, KIND_SRC, KIND_SWA, ModelConfig
+from dsv41_jax.kv_cache import DenseKV
 from dsv41_jax.params import source_slots
 from dsv41_jax.rope import apply_rope, layer_freqs
 from dsv41_jax.schedule import Segment, decoder_schedule, encoder_schedule
@@ -66,8 +67,8 @@ def _put(a, i, v):
     return jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), i, 0)
 
 
-def _topk_width(cfg, state, ratio):
-    return min(cfg.index_topk, state[f"lat_r{ratio}"].shape[2])
+def _topk_width(cfg, kv, state, ratio):
+    return min(cfg.index_topk, kv.capacity(state, ratio))
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -89,10 +90,10 @@ def _attention(cfg, seg: Segment, kind, params, lp, l, slot, x, state, shared, c
     store = kv if ctx["fresh"] else jnp.concatenate([ring, kv], axis=1)
     keys = jnp.take_along_axis(store, widx.reshape(B, -1)[..., None], axis=1).reshape(B, T, -1, d)
     valid = wpos >= 0
-    state = dict(state, swa=_put(state["swa"], l, A.ring_update(ring, kv, pos0, W)))
+    state = dict(state, swa=_put(state["swa"], l, A.ring_update(ring, kv, pos0, W, ctx["n_valid"])))
     topk = None
+    store_kv = ctx["kv"]
     if ratio:
-        lat_key, idx_key = f"lat_r{ratio}", f"idx_r{ratio}"
         if kind == KIND_SRC:
             shared = dict(shared, src=jnp.asarray(slot, jnp.int32))
             if not seg.prebuilt:
@@ -103,7 +104,7 @@ def _attention(cfg, seg: Segment, kind, params, lp, l, slot, x, state, shared, c
             if forced is not None:
                 topk = forced
             else:
-                index_k = jax.lax.dynamic_index_in_dim(state[idx_key], src, keepdims=False)
+                index_k = store_kv.index_keys(state, ratio, src)
                 scores = A.index_scores(cfg, ip, x, qr, qpos, index_k, ratio, freqs)
                 if seg.cand_source:
                     shared = dict(shared, cand=A.candidate_blocks(cfg, scores, qpos, ratio))
@@ -111,10 +112,9 @@ def _attention(cfg, seg: Segment, kind, params, lp, l, slot, x, state, shared, c
                     scores = A.mask_to_candidates(scores, shared["cand"], cfg.candidate_block_size)
                 topk = A.select_topk(cfg, scores, qpos, ratio)
             shared = dict(shared, topk=topk)
-        latents = jax.lax.dynamic_index_in_dim(state[lat_key], src, keepdims=False)
         sel = shared["topk"]
-        ck = jnp.take_along_axis(latents, jnp.maximum(sel, 0).reshape(B, -1)[..., None], axis=1)
-        keys = jnp.concatenate([keys, ck.reshape(B, T, -1, d)], axis=2)
+        ck = store_kv.latents(state, ratio, src, sel)
+        keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, sel >= 0], axis=2)
     o = A.sparse_attention(cfg, q, keys.astype(q.dtype), valid, ap["attn_sink"], d ** -0.5)
     o = apply_rope(o, qpos, freqs, inverse=True)
@@ -133,13 +133,11 @@ def _build_global(cfg, params, slot, ratio, x, state, ctx):
         cs = jax.lax.dynamic_index_in_dim(state["comp_score"], slot, keepdims=False)
     else:
         ck = cs = None
-    lat, j, ok, ck, cs = A.compress(cfg, sp["compressor"], x, ctx["qpos"], ctx["pos0"], ratio, ck, cs)
+    lat, j, ok, ck, cs = A.compress(cfg, sp["compressor"], x, ctx["qpos"], ctx["pos0"], ctx["n_valid"], ratio,
+                                    ck, cs)
     lat, k = A.build_entries(cfg, sp["compressor"], sp["indexer"], lat, j, ratio, freqs)
     ok = ok & (j * ratio >= ctx["write_from"][:, None])
-    lk, ik = f"lat_r{ratio}", f"idx_r{ratio}"
-    lat_buf = A.write_entries(jax.lax.dynamic_index_in_dim(state[lk], slot, keepdims=False), lat, j, ok)
-    idx_buf = A.write_entries(jax.lax.dynamic_index_in_dim(state[ik], slot, keepdims=False), k, j, ok)
-    state = dict(state, **{lk: _put(state[lk], slot, lat_buf), ik: _put(state[ik], slot, idx_buf)})
+    state = ctx["kv"].write(state, ratio, slot, lat, k, j, ok)
     if ratio > 1:
         state = dict(state, comp_kv=_put(state["comp_kv"], slot, ck), comp_score=_put(state["comp_score"], slot, cs))
     return state
@@ -189,12 +187,12 @@ def _run_segment(cfg, seg: Segment, params, carry, ctx, engram_ids, forced: dict
     return carry, rec
 
 
-def _shared_init(cfg, state, B, T, ratio):
+def _shared_init(cfg, kv, state, B, T, ratio):
     if not ratio:
         return {"topk": jnp.zeros((B, T, 1), jnp.int32), "cand": jnp.zeros((B, T, 1), bool),
                 "src": jnp.zeros((), jnp.int32)}
-    k = _topk_width(cfg, state, ratio)
-    C = state[f"lat_r{ratio}"].shape[2]
+    k = _topk_width(cfg, kv, state, ratio)
+    C = kv.capacity(state, ratio)
     nb = -(-C // cfg.candidate_block_size) if cfg.candidate_source_layer >= 0 else 1
     return {"topk": jnp.full((B, T, k), -1, jnp.int32), "cand": jnp.zeros((B, T, nb), bool),
             "src": jnp.zeros((), jnp.int32)}
@@ -208,7 +206,7 @@ def _run_band(cfg, segs, params, h, pre, state, ctx, engram_ids, forced):
     for seg in segs:
         if seg.ratio != ratio or shared is None:
             ratio = seg.ratio
-            shared = _shared_init(cfg, state, B, T, ratio) if ratio else _shared_init(cfg, state, B, T, 0)
+            shared = _shared_init(cfg, ctx["kv"], state, B, T, ratio)
         (h, pre, state, shared), r = _run_segment(cfg, seg, params, (h, pre, state, shared), ctx, engram_ids,
                                                    forced)
         rec.update(r)
@@ -220,38 +218,62 @@ def _band_ratio_ok(segs):
     return len({s.ratio for s in segs if s.ratio}) <= 1
 
 
-@partial(jax.jit, static_argnames=("cfg", "fresh", "n_dec", "n_logits"))
-def step(cfg: ModelConfig, params, state, tokens, engram_ids, pos0, enc_clip, dec_clip, write_from,
-         forced_topk=None, *, fresh: bool, n_dec: int, n_logits: int):
-    """One chunk step; see the module docstring. Returns (logits [B,n_logits,V] f32, state, top-k per index
-    source layer {layer: [B, rows, k]} (rows = T for encoder layers, n_dec for decoder layers))."""
+def step_impl(cfg: ModelConfig, params, state, tokens, engram_ids, pos0, enc_clip, dec_clip, write_from,
+              forced_topk=None, n_valid=None, *, fresh: bool, n_dec: int, n_logits: int, kv=None):
+    """One chunk step; see the module docstring.
+
+    Rows >= n_valid[b] are padding: they never enter a ring or the global KV. The decoder runs on the
+    n_dec rows ending at the last valid row (clamped at row 0), with its SWA clipped at
+    max(dec_clip, first decoder position) when n_dec < n_valid. Returns (logits [B, n_logits, V] f32 of the
+    last n_logits valid rows, state, top-k per index-source layer {layer: [B, rows, k]})."""
+    kv = kv or DenseKV()
     B, T = tokens.shape
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid
     dt = Lyr.cdtype(cfg)
     qpos = pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     h = jnp.take(params["embed"]["weight"], tokens, axis=0).astype(dt)
     h = jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
     pre = jnp.zeros((B, T, cfg.hc_mult), F32).at[..., 0].set(1.0)
-    ctx = dict(qpos=qpos, pos0=pos0, clip=enc_clip, write_from=write_from, fresh=fresh)
+    ctx = dict(qpos=qpos, pos0=pos0, clip=enc_clip, write_from=write_from, fresh=fresh, n_valid=n_valid, kv=kv)
     enc, dec = encoder_schedule(cfg), decoder_schedule(cfg)
     assert _band_ratio_ok(enc) and _band_ratio_ok(dec)
     h, pre, state, rec = _run_band(cfg, enc, params, h, pre, state, ctx, engram_ids, forced_topk)
+    start = jnp.zeros((B,), jnp.int32)
+    if dec and n_dec == 0:  # a non-final CED chunk: the encoder band and the decoder's global-KV build only
+        l = cfg.decoder_start
+        x = Lyr.rms_norm(cfg, Lyr.hc_pre(h, pre), _take(params["layers"], l)["attn_norm"])
+        state = _build_global(cfg, params, source_slots(cfg)[0][l][1], cfg.compress_ratios[l], x, state, ctx)
+        return None, state, rec
     if dec:
         l = cfg.decoder_start
         lp = _take(params["layers"], l)
         x = Lyr.rms_norm(cfg, Lyr.hc_pre(h, pre), lp["attn_norm"])
         slot = source_slots(cfg)[0][l][1]
         state = _build_global(cfg, params, slot, cfg.compress_ratios[l], x, state, ctx)
-        s = T - n_dec
-        dpos0 = pos0 + s
-        dctx = dict(qpos=qpos[:, s:], pos0=dpos0, clip=dec_clip, write_from=write_from,
-                    fresh=fresh and s == 0)
-        dforced = None if forced_topk is None else {k: v[:, -n_dec:] for k, v in forced_topk.items()}
-        h, pre, state, rec_d = _run_band(cfg, dec, params, h[:, s:], pre[:, s:], state, dctx, None, dforced)
+        start = jnp.maximum(n_valid - n_dec, 0)
+        rows = start[:, None] + jnp.arange(n_dec)[None]
+        h = jnp.take_along_axis(h, rows[:, :, None, None], axis=1)
+        pre = jnp.take_along_axis(pre, rows[:, :, None], axis=1)
+        dpos0 = pos0 + start
+        dclip = jnp.maximum(dec_clip, jnp.where(start > 0, dpos0, 0))
+        dctx = dict(qpos=qpos[:, :n_dec] + start[:, None], pos0=dpos0, clip=dclip, write_from=write_from,
+                    fresh=fresh and n_dec == T, n_valid=n_valid - start, kv=kv)
+        dforced = None
+        if forced_topk is not None:
+            dforced = {k: jnp.take_along_axis(v, jnp.clip(rows, 0, v.shape[1] - 1)[..., None], axis=1)
+                       for k, v in forced_topk.items()}
+        h, pre, state, rec_d = _run_band(cfg, dec, params, h, pre, state, dctx, None, dforced)
         rec.update(rec_d)
-    x = Lyr.hc_pre(h[:, -n_logits:], pre[:, -n_logits:])
-    x = Lyr.rms_norm(cfg, x, params["norm"]["weight"])
+    last = n_valid - start - 1  # last valid row within h
+    rows = jnp.maximum(last[:, None] - (n_logits - 1) + jnp.arange(n_logits)[None], 0)
+    hs = jnp.take_along_axis(h, rows[:, :, None, None], axis=1)
+    ps = jnp.take_along_axis(pre, rows[:, :, None], axis=1)
+    x = Lyr.rms_norm(cfg, Lyr.hc_pre(hs, ps), params["norm"]["weight"])
     logits = Lyr.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
     return logits, state, rec
+
+
+step = partial(jax.jit, static_argnames=("cfg", "fresh", "n_dec", "n_logits", "kv"))(step_impl)
 
 
 def step_args(batch: int, pos0=0, enc_clip=0, dec_clip=0, write_from=0):

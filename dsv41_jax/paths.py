@@ -79,7 +79,7 @@ def decoder_rows(cfg: ModelConfig, mode: str, T: int, n_win: int | None = None) 
 
 
 def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bounded", n_win=None,
-                  enc_clip=None, write_from=None, n_logits=1, forced_topk=None, hasher=None):
+                  enc_clip=None, write_from=None, n_logits=1, forced_topk=None, hasher=None, fresh=None):
     """Run a chunk of new tokens (positions ds.pos ..) with the CED rule; returns (logits, state, topk).
 
     enc_clip: SWA clip for the encoder band (default: keep ds.enc_clip). write_from: global-KV entries of
@@ -87,7 +87,7 @@ def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bo
     tokens = np.asarray(tokens, np.int32)
     B, T = tokens.shape
     n_dec = decoder_rows(cfg, mode, T, n_win)
-    fresh = bool(np.all(ds.pos == 0))
+    fresh = bool(np.all(ds.pos == 0)) if fresh is None else fresh
     ids, hist = _ids(cfg, hasher, tokens, ds.history)
     ec = ds.enc_clip if enc_clip is None else np.broadcast_to(np.asarray(enc_clip, np.int32), (B,))
     dec_clip = ds.pos + (T - n_dec) if n_dec < T else ec
@@ -100,12 +100,12 @@ def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bo
 
 
 def ced_prefill(cfg: ModelConfig, params, tokens, *, mode="bounded", n_win=None, max_len=None, n_logits=1,
-                forced_topk=None, hasher=None):
+                forced_topk=None, hasher=None, fresh=None):
     """(b) CED prefill of a fresh prompt; returns (logits of the last n_logits rows, DecodeState, topk)."""
     tokens = np.asarray(tokens, np.int32)
     ds = empty_state(cfg, tokens.shape[0], max_len)
     return prefill_chunk(cfg, params, ds, tokens, mode=mode, n_win=n_win, enc_clip=0, n_logits=n_logits,
-                         forced_topk=forced_topk, hasher=hasher)
+                         forced_topk=forced_topk, hasher=hasher, fresh=fresh)
 
 
 def decode_step(cfg: ModelConfig, params, ds: DecodeState, token, *, forced_topk=None, return_topk=False,

@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# CPU tests: LLVM at -O0 compiles the many small programs ~40% faster (results are still bit-for-bit
+# comparable between paths, which all run under the same flags).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,91 @@
+"""Engine metrics with Prometheus text rendering (vLLM-compatible names where the concept matches)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.n = 0
+
+    def observe(self, v: float):
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.n += 1
+
+
+class Metrics:
+    COUNTERS = {
+        "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+        "prompt_tokens": ("vllm:prompt_tokens", "Prompt tokens received"),
+        "generation_tokens": ("vllm:generation_tokens", "Tokens generated"),
+        "replayed_tokens": ("dsv41:replayed_tokens", "Cached tokens recomputed by SWA bounded replay"),
+        "preemptions": ("vllm:num_preemptions", "Requests preempted (recompute)"),
+        "requests_finished": ("vllm:request_success", "Requests finished"),
+        "requests_aborted": ("dsv41:request_aborted", "Requests aborted"),
+    }
+    HISTOGRAMS = {
+        "ttft": ("vllm:time_to_first_token_seconds", "Time to first token"),
+        "itl": ("vllm:inter_token_latency_seconds", "Inter-token latency"),
+        "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency"),
+    }
+    GAUGES = {
+        "running": ("vllm:num_requests_running", "Requests running"),
+        "waiting": ("vllm:num_requests_waiting", "Requests waiting"),
+        "kv_usage": ("vllm:kv_cache_usage_perc", "Fraction of global-KV pages in use or cached"),
+        "compiled_programs": ("dsv41:compiled_programs", "Compiled step programs"),
+        "snapshot_bytes": ("dsv41:swa_snapshot_bytes", "Device bytes held for exact-mode SWA snapshots"),
+    }
+
+    def __init__(self, model_name: str = "dsv41"):
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.counters = {k: 0 for k in self.COUNTERS}
+        self.hist = {k: Histogram() for k in self.HISTOGRAMS}
+        self.gauges = {k: 0.0 for k in self.GAUGES}
+
+    def inc(self, key: str, v: float = 1):
+        with self.lock:
+            self.counters[key] += v
+
+    def observe(self, key: str, v: float):
+        with self.lock:
+            self.hist[key].observe(v)
+
+    def set(self, key: str, v: float):
+        with self.lock:
+            self.gauges[key] = v
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"counters": dict(self.counters), "gauges": dict(self.gauges),
+                    "histograms": {k: {"count": h.n, "sum": h.sum} for k, h in self.hist.items()}}
+
+    def prometheus(self) -> str:
+        lab = f'model_name="{self.model_name}"'
+        out = []
+        with self.lock:
+            for k, (name, doc) in self.COUNTERS.items():
+                out += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
+                        f"{name}_total{{{lab}}} {float(self.counters[k])}"]
+            for k, (name, doc) in self.GAUGES.items():
+                out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {float(self.gauges[k])}"]
+            for k, (name, doc) in self.HISTOGRAMS.items():
+                h = self.hist[k]
+                out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
+                cum = 0
+                for b, c in zip(h.buckets, h.counts):
+                    cum += c
+                    out.append(f'{name}_bucket{{{lab},le="{b}"}} {cum}')
+                out.append(f'{name}_bucket{{{lab},le="+Inf"}} {h.n}')
+                out += [f"{name}_sum{{{lab}}} {h.sum}", f"{name}_count{{{lab}}} {h.n}"]
+        return "\n".join(out) + "\n"

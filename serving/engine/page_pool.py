@@ -1,0 +1,145 @@
+"""Page pool for the global KV with a prefix cache (host-side bookkeeping only; the bytes live on device).
+
+A page holds the global KV of 64 token positions (every global group, packed: see dsv41_jax.kv_cache).
+
+Invariants (checked by `check()` and by the property tests):
+- page 0 is the null page: never allocated, referenced or freed;
+- ref[p] >= 0; a page with ref > 0 is in no free queue; a page with ref == 0 is in exactly one free queue;
+- a page is in the cached queues iff it has a hash, and `by_hash[h] == p` for that hash;
+- allocation takes pages with ref == 0 only (eviction never takes a referenced page) and drops their hash,
+  so a cache hit never returns a page whose bytes were recycled;
+- a hit never rewrites a cached page: pages are filled only while their owner is its sole writer, and the
+  engine writes global KV only for positions >= the hit length.
+
+Eviction order: uncached free pages first (most recently freed first), then cached pages LRU by release
+time (a request releases tail-first, so a shared prefix outlives the unique suffix), and last the pages of a
+session whose next turn is still expected (released with a session id, protected for `session_ttl` s).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class PagePool:
+    def __init__(self, num_pages: int, enable_caching: bool = True, session_ttl: float = 600.0):
+        if num_pages < 2:
+            raise ValueError("need at least one page besides the null page")
+        self.num_pages = num_pages
+        self.caching = enable_caching
+        self.session_ttl = session_ttl
+        self.ref = np.zeros(num_pages, np.int32)
+        self.hash_of: dict[int, bytes] = {}
+        self.by_hash: dict[bytes, int] = {}
+        self.free_uncached: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
+        self.free_session: OrderedDict[int, float] = OrderedDict()  # page -> protected until
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ queries
+    def num_free(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached) + len(self.free_session)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free() / (self.num_pages - 1)
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Pages of the longest cached prefix of `hashes` (downward closed: stop at the first miss)."""
+        out = []
+        if not self.caching:
+            return out
+        for h in hashes:
+            p = self.by_hash.get(h)
+            if p is None:
+                break
+            out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ ownership
+    def _unqueue(self, p: int):
+        for q in (self.free_uncached, self.free_cached, self.free_session):
+            if p in q:
+                del q[p]
+                return
+
+    def acquire(self, pages: list[int]):
+        """A request starts using cached pages (a prefix hit): resurrect free ones, bump ref counts."""
+        for p in pages:
+            if self.ref[p] == 0:
+                self._unqueue(p)
+            self.ref[p] += 1
+
+    def _pop_victim(self, now: float) -> int | None:
+        if self.free_uncached:
+            return self.free_uncached.popitem(last=False)[0]
+        if self.free_session:
+            p, until = next(iter(self.free_session.items()))
+            if until <= now or not self.free_cached:
+                del self.free_session[p]
+                return p
+        if self.free_cached:
+            return self.free_cached.popitem(last=False)[0]
+        return None
+
+    def allocate(self, n: int, now: float = 0.0) -> list[int] | None:
+        """n fresh pages (ref = 1), or None if fewer than n can be freed. Evicted pages lose their hash."""
+        if n > self.num_free():
+            return None
+        out = []
+        for _ in range(n):
+            p = self._pop_victim(now)
+            h = self.hash_of.pop(p, None)
+            if h is not None:
+                if self.by_hash.get(h) == p:
+                    del self.by_hash[h]
+                self.evictions += 1
+            self.ref[p] = 1
+            out.append(p)
+        return out
+
+    def release(self, pages: list[int], session: str | None = None, now: float = 0.0):
+        """Drop one reference of each page of a request (given in request order; freed tail first)."""
+        for p in reversed(pages):
+            if p == 0:
+                continue
+            if self.ref[p] <= 0:
+                raise AssertionError(f"page {p} released more often than acquired")
+            self.ref[p] -= 1
+            if self.ref[p] > 0:
+                continue
+            if p in self.hash_of:
+                if session is not None and self.session_ttl > 0:
+                    self.free_session[p] = now + self.session_ttl
+                else:
+                    self.free_cached[p] = None
+            else:
+                self.free_uncached[p] = None
+                self.free_uncached.move_to_end(p, last=False)  # reused first
+
+    def register(self, page: int, h: bytes) -> bool:
+        """Mark a filled page as the cached copy of prefix hash h. False if another page already is."""
+        if not self.caching or page == 0 or page in self.hash_of:
+            return False
+        if h in self.by_hash:
+            return False
+        self.hash_of[page] = h
+        self.by_hash[h] = page
+        return True
+
+    # ------------------------------------------------------------------ checks
+    def check(self):
+        queues = [set(self.free_uncached), set(self.free_cached), set(self.free_session)]
+        assert all(not (a & b) for i, a in enumerate(queues) for b in queues[i + 1:]), "page in two free queues"
+        free = set().union(*queues)
+        assert 0 not in free and self.ref[0] == 0, "null page in use"
+        for p in range(1, self.num_pages):
+            assert self.ref[p] >= 0
+            assert (self.ref[p] == 0) == (p in free), f"page {p}: ref {self.ref[p]} vs free {p in free}"
+        for p, h in self.hash_of.items():
+            assert self.by_hash.get(h) == p
+        for p in set(self.free_cached) | set(self.free_session):
+            assert p in self.hash_of
+        for p in self.free_uncached:
+            assert p not in self.hash_of

@@ -1,0 +1,205 @@
+"""The engine (paged, batched, bucketed, compiled) against the model's own CED reference paths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax import paths
+from dsv41_jax.engram_hash import EngramHasher
+from serving.engine import Engine, EngineArgs, SamplingParams
+from serving.engine.engine import QueueFull
+
+ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
+            decode_buckets=(1, 2, 4))
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny, tiny_params):
+    """bf16 + every qdq point on: FP4 pages, FP8 rings (the production formats); SWA bounded replay."""
+    return Engine(tiny, EngineArgs(**ARGS), params=tiny_params, progress=False)
+
+
+@pytest.fixture(scope="module")
+def eng_exact(tiny32, tiny32_params):
+    """f32, qdq off, exact mode (--no-swa-bounded-replay): SWA snapshots instead of replay."""
+    return Engine(tiny32, EngineArgs(**ARGS, swa_bounded_replay=False), params=tiny32_params, progress=False)
+
+
+def run(engine, prompts, n=6, salt=None, concurrent=True, **sp):
+    sp = {**GREEDY, **sp}
+    res = {}
+
+    def drain():
+        for o in engine.run_until_done():
+            r = res[o.request_id]
+            r["ids"] += o.new_token_ids
+            r["lps"] += [d[t] for d, t in zip(o.new_logprobs or [], o.new_token_ids)]
+            r["cached"] = o.num_cached_tokens
+            r["reason"] = o.finish_reason or r["reason"]
+
+    for i, p in enumerate(prompts):
+        rid = f"{salt}-{i}-{len(res)}-{np.random.randint(1 << 30)}"
+        res[rid] = {"ids": [], "lps": [], "cached": 0, "reason": None}
+        engine.add_request(rid, p, SamplingParams(max_tokens=n, **sp), cache_salt=salt)
+        if not concurrent:
+            drain()
+    drain()
+    return list(res.values())
+
+
+def greedy_reference(cfg, params, prompt, n, *, state=None, logits=None):
+    if state is None:
+        logits, state, _ = paths.ced_prefill(cfg, params, np.asarray([prompt]), mode="bounded", fresh=False,
+                                             max_len=256)
+        logits = np.asarray(logits[:, -1])
+    ids, lps = [], []
+    for _ in range(n):
+        t = int(logits.argmax())
+        ids.append(t)
+        lps.append(float(jax.nn.log_softmax(jnp.asarray(logits))[0, t]))
+        logits, state = paths.decode_step(cfg, params, state, [t])
+        logits = np.asarray(logits)
+    return ids, lps
+
+
+def prompts(seed, lens):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n in lens]
+
+
+def test_matches_model_ced_path(eng, tiny, tiny_params):
+    """Chunked (64 + 36), paged, bucketed, FP4 pages: equals the model's CED prefill + decode."""
+    p = prompts(0, [100])[0]
+    out = run(eng, [p], salt="ref")[0]
+    ids, lps = greedy_reference(tiny, tiny_params, p, 6)
+    assert out["ids"] == ids
+    np.testing.assert_allclose(out["lps"], lps, atol=1e-4)
+    assert out["cached"] == 0 and out["reason"] == "length"
+
+
+def test_warm_turn_equals_model_replay(eng, tiny, tiny_params):
+    """Second turn hits 128 cached tokens: the engine replays [H-W, N) exactly as the model's replay path."""
+    W = tiny.window_size
+    p1, extra = prompts(1, [150, 30])
+    before = eng.metrics.snapshot()["counters"]
+    first = run(eng, [p1], salt="turns", n=4)[0]
+    p2 = p1 + first["ids"] + extra
+    second = run(eng, [p2], salt="turns")[0]
+    H = 128
+    assert second["cached"] == H
+    c = eng.metrics.snapshot()["counters"]
+    assert c["replayed_tokens"] - before["replayed_tokens"] == W
+    assert c["prefix_cache_hits"] - before["prefix_cache_hits"] == H
+    # the model's own path: cold prefill of turn 1, rewind to H - W, replay with the SWA clipped there
+    _, ds, _ = paths.ced_prefill(tiny, tiny_params, np.asarray([p1]), mode="bounded", fresh=False, max_len=256)
+    ds = paths.rewind(ds, H - W)
+    ds = paths.replace(ds, history=EngramHasher(tiny).next_history(None, np.asarray([p2[:H - W]])))
+    logits, ds, _ = paths.prefill_chunk(tiny, tiny_params, ds, np.asarray([p2[H - W:]]), mode="bounded",
+                                        write_from=H, fresh=False)
+    ids, lps = greedy_reference(tiny, tiny_params, None, 6, state=ds, logits=np.asarray(logits[:, -1]))
+    assert second["ids"] == ids
+    np.testing.assert_allclose(second["lps"], lps, atol=1e-4)
+
+
+def test_exact_mode_second_turn_equals_cold(eng_exact):
+    p1, extra = prompts(2, [150, 40])
+    first = run(eng_exact, [p1], salt="x", n=4)[0]
+    p2 = p1 + first["ids"] + extra
+    warm = run(eng_exact, [p2], salt="x")[0]
+    cold = run(eng_exact, [p2], salt="cold")[0]
+    assert warm["cached"] == 128 and cold["cached"] == 0  # 154 computed tokens: two full pages
+    assert warm["ids"] == cold["ids"]
+    np.testing.assert_allclose(warm["lps"], cold["lps"], atol=1e-4)
+    assert eng_exact.metrics.snapshot()["gauges"]["snapshot_bytes"] > 0
+
+
+def test_concurrent_shared_prefixes_equal_one_at_a_time(eng_exact):
+    base = prompts(3, [90])[0]
+    tails = prompts(4, [5, 40, 77, 1, 64, 20])
+    ps = [base[:k] + t for k, t in zip([90, 70, 90, 64, 20, 90], tails)]
+    conc = run(eng_exact, ps, salt="c1", n=5)
+    seq = run(eng_exact, ps, salt="c2", n=5, concurrent=False)
+    assert [r["ids"] for r in conc] == [r["ids"] for r in seq]
+    for a, b in zip(conc, seq):
+        np.testing.assert_allclose(a["lps"], b["lps"], atol=1e-4)
+    assert sum(r["cached"] for r in seq) > 0  # the one-at-a-time run did hit the shared prefix
+
+
+def test_poisoned_free_pages_are_never_read(eng):
+    p = prompts(5, [120])[0]
+    clean = run(eng, [p], salt="p1")[0]
+    pool = eng.pool
+    victims = [0] + list(pool.free_uncached)
+    assert len(victims) > 1
+    pages = eng.runner.pools["pages"]
+    eng.runner.pools["pages"] = pages.at[jnp.asarray(victims)].set(jnp.uint8(0xFF))  # NaN scales everywhere
+    dirty = run(eng, [p], salt="p2")[0]
+    assert dirty["ids"] == clean["ids"] and np.isfinite(dirty["lps"]).all()
+    np.testing.assert_allclose(dirty["lps"], clean["lps"], atol=1e-6)
+
+
+def test_abort_and_finish_free_every_page(eng):
+    ps = prompts(6, [70, 100, 30])
+    for i, p in enumerate(ps):
+        eng.add_request(f"ab{i}", p, SamplingParams(max_tokens=50, **GREEDY))
+    for _ in range(3):
+        eng.step()
+    assert eng.abort("ab1") and not eng.abort("ab1") and not eng.abort("nope")
+    eng.run_until_done()
+    eng.pool.check()
+    assert eng.pool.num_free() == eng.pool.num_pages - 1  # every page free or cached
+    assert len(eng.scheduler.free_slots) == eng.args.max_num_seqs
+
+
+def test_sampling_controls(eng):
+    p = prompts(7, [40])[0]
+    a = run(eng, [p], salt="s", n=8, temperature=1.0, seed=11)[0]["ids"]
+    b = run(eng, [p], salt="s", n=8, temperature=1.0, seed=11)[0]["ids"]
+    c = run(eng, [p], salt="s", n=8, temperature=1.0, seed=12)[0]["ids"]
+    assert a == b and a != c
+    g = run(eng, [p], salt="s", n=8)[0]["ids"]
+    k1 = run(eng, [p], salt="s", n=8, temperature=1.0, top_k=1, seed=3)[0]["ids"]
+    assert k1 == g  # top-k 1 is greedy
+    stop = run(eng, [p], salt="s", n=8, stop_token_ids=[g[2]])[0]
+    assert stop["ids"] == g[:3] and stop["reason"] == "stop"
+
+
+def test_bad_requests_rejected_without_side_effects(eng):
+    n_req = len(eng.requests)
+    for bad in ([], [512], [-1], ["a"]):
+        with pytest.raises(ValueError):
+            eng.add_request("bad", bad, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="context length"):
+        eng.add_request("long", [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError):
+        eng.add_request("t", [1, 2], SamplingParams(max_tokens=2, top_p=0))
+    eng.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="in use"):
+        eng.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    eng.run_until_done()
+    assert len(eng.requests) == n_req
+    old = eng.args.max_queued_requests
+    eng.args.max_queued_requests = 0
+    with pytest.raises(QueueFull):
+        eng.add_request("q", [1, 2], SamplingParams(max_tokens=1))
+    eng.args.max_queued_requests = old
+
+
+def test_no_compilation_after_warmup(eng):
+    events = []
+
+    def listener(name, *a, **k):
+        if "compile" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        ps = prompts(8, [5, 33, 64, 100, 9, 130])
+        for i, p in enumerate(ps):
+            eng.add_request(f"nc{i}", p, SamplingParams(max_tokens=3 + i, temperature=0.7, top_p=0.9, seed=i))
+        eng.run_until_done()
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == 7
