@@ -265,7 +265,10 @@ def step_impl(cfg: ModelConfig, params, state, tokens, engram_ids, pos0, enc_cli
         h, pre, state, rec_d = _run_band(cfg, dec, params, h, pre, state, dctx, None, dforced)
         rec.update(rec_d)
     last = n_valid - start - 1  # last valid row within h
-    rows = jnp.maximum(last[:, None] - (n_logits - 1) + jnp.arange(n_logits)[None], 0)
+    if n_logits == h.shape[1]:  # every (decoder) row, in order
+        rows = jnp.broadcast_to(jnp.arange(n_logits)[None], (B, n_logits))
+    else:
+        rows = jnp.maximum(last[:, None] - (n_logits - 1) + jnp.arange(n_logits)[None], 0)
     hs = jnp.take_along_axis(h, rows[:, :, None, None], axis=1)
     ps = jnp.take_along_axis(pre, rows[:, :, None], axis=1)
     x = Lyr.rms_norm(cfg, Lyr.hc_pre(hs, ps), params["norm"]["weight"])

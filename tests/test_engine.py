@@ -23,7 +23,8 @@ def eng(tiny, tiny_params):
 @pytest.fixture(scope="module")
 def eng_exact(tiny32, tiny32_params):
     """f32, qdq off, exact mode (--no-swa-bounded-replay): SWA snapshots instead of replay."""
-    return Engine(tiny32, EngineArgs(**ARGS, swa_bounded_replay=False), params=tiny32_params, progress=False)
+    return Engine(tiny32, EngineArgs(**ARGS, swa_bounded_replay=False, enable_prompt_logprobs=False),
+                  params=tiny32_params, progress=False)
 
 
 def run(engine, prompts, n=6, salt=None, concurrent=True, **sp):
@@ -202,4 +203,23 @@ def test_no_compilation_after_warmup(eng):
     finally:
         jax.monitoring.clear_event_listeners()
     assert events == []
-    assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == 7
+    assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == 9
+
+
+def test_prompt_logprobs_equal_full_forward(eng, tiny, tiny_params):
+    """echo + logprobs: every prompt position scored exactly as the full forward (a), across chunks."""
+    p = prompts(9, [90])[0]
+    outs = []
+    eng.add_request("plp", p, SamplingParams(max_tokens=0, prompt_logprobs=3),
+                    callback=outs.append)
+    eng.run_until_done()
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "length" and final.new_token_ids == []
+    plp = final.prompt_logprobs
+    assert len(plp) == 90 and plp[0] is None and all(len(d) >= 1 for d in plp[1:])
+    ref = np.asarray(jax.nn.log_softmax(paths.forward(tiny, tiny_params, np.asarray([p]))[0], axis=-1))
+    got = np.array([plp[i + 1][p[i + 1]] for i in range(89)])
+    want = ref[np.arange(89), p[1:]]
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    top = max(plp[10].items(), key=lambda kv: kv[1])
+    assert top[0] == int(ref[9].argmax())

@@ -27,6 +27,7 @@ class EngineArgs:
     snapshot_slots: int = 0  # exact mode SWA snapshots (0: 2 * max_num_seqs)
     session_ttl_s: float = 600.0  # a session's cached prefix outlives anonymous pages this long
     max_queued_requests: int = 1024  # admission control for the API servers
+    enable_prompt_logprobs: bool = True  # compile the every-row-logits prefill programs (echo + logprobs)
     execution: str = "compiled"  # compiled | eager
     kernels: str = "xla"  # xla | pallas
     compilation_cache_dir: str | None = None

@@ -97,8 +97,8 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < V:
                 raise ValueError(f"token id {t!r} is not in the vocabulary [0, {V})")
         sp.validate(V)
-        if sp.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine")
+        if sp.prompt_logprobs is not None and not self.args.enable_prompt_logprobs:
+            raise ValueError("prompt_logprobs is disabled on this server (EngineArgs.enable_prompt_logprobs)")
         limit = self.args.max_model_len
         if len(ids) + max(sp.max_tokens, 1) > limit:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the request has "
@@ -108,7 +108,7 @@ class Engine:
         req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback)
         self.requests[request_id] = req
         self.metrics.inc("prompt_tokens", len(ids))
-        if sp.max_tokens == 0:
+        if sp.max_tokens == 0 and sp.prompt_logprobs is None:
             self._finish(req, "length", emit=True)
             return
         self.scheduler.waiting.append(req)
@@ -187,7 +187,10 @@ class Engine:
     def _run_prefill(self, s):
         req, n = s.req, s.n
         T = self.runner.bucket("prefill", n)
-        if self.args.swa_bounded_replay:
+        plp = req.sampling.prompt_logprobs is not None
+        if plp:
+            mode = "plp"
+        elif self.args.swa_bounded_replay:
             mode = "win" if s.final else "none"
         else:
             mode = "all+sample" if s.final else "all"
@@ -196,15 +199,40 @@ class Engine:
         toks[0, :n] = req.tokens[pos0:pos0 + n]
         ids = self._hash_ids(req, pos0, toks)
         i1 = lambda v: np.asarray([v], np.int32)  # noqa: E731
-        dec_clip = req.dec_clip if not s.final else max(req.dec_clip, pos0 + n - self.cfg.window_size)
+        trim = self.args.swa_bounded_replay and s.final and not plp
+        dec_clip = max(req.dec_clip, pos0 + n - self.cfg.window_size) if trim else req.dec_clip
+        samp = self._samp([req], 1)
+        if plp:
+            nxt = req.tokens[pos0 + 1:pos0 + n + 1]
+            samp["next_ids"] = np.zeros((1, T), np.int32)
+            samp["next_ids"][0, :len(nxt)] = nxt
         res = self.runner.run(("prefill", T, mode), i1(req.slot), self._table(req)[None], toks, ids, i1(pos0), i1(n),
-                              i1(req.enc_clip), i1(dec_clip), i1(req.write_from), self._samp([req], 1))
+                              i1(req.enc_clip), i1(dec_clip), i1(req.write_from), samp)
         req.num_computed += n
-        if s.final and self.args.swa_bounded_replay:
+        if trim:
             req.dec_clip = max(req.num_computed - self.cfg.window_size, 0)
         self._publish(req)
+        if plp:
+            self._prompt_logprobs(req, pos0, n, res)
         if s.final:
-            self._append(req, res, 0)
+            if req.sampling.max_tokens == 0:
+                self._finish(req, "length")
+            else:
+                self._append(req, res, 0)
+
+    def _prompt_logprobs(self, req: Request, pos0: int, n: int, res):
+        nxt, top_ids, top_lps = (np.asarray(x)[0] for x in res[4:])
+        if not req.prompt_lps:
+            req.prompt_lps.append(None)
+        k = req.sampling.prompt_logprobs
+        for i in range(n):
+            p = pos0 + i + 1
+            if p >= req.n_prompt or p < len(req.prompt_lps):
+                continue
+            d = {req.tokens[p]: float(nxt[i])}
+            for j in range(k):
+                d.setdefault(int(top_ids[i, j]), float(top_lps[i, j]))
+            req.prompt_lps.append(d)
 
     def _run_decode(self, dec):
         reqs = [s.req for s in dec]
@@ -313,7 +341,9 @@ class Engine:
         req.sent_ids = len(req.out_ids)
         req.sent_text = max(req.sent_text, len(text))
         out = RequestOutput(req.request_id, new_ids, new_text, lps, finished, req.finish_reason if finished else None,
-                            req.n_prompt, req.num_cached, len(req.out_ids))
+                            req.n_prompt, req.num_cached, len(req.out_ids),
+                            prompt_logprobs=req.prompt_lps if finished and req.sampling.prompt_logprobs is not None
+                            else None)
         if finished:
             self.requests.pop(req.request_id, None)
         if req.callback is not None:

@@ -11,6 +11,8 @@ Programs (all compiled at start-up, behind a progress bar; afterwards nothing co
   prefill[T, dec]   one request's chunk of T (bucketed) tokens; dec = "none" (non-final chunk: encoder and
                     the layer-20 build only), "win" (final chunk, CED: decoder on the last window rows, then
                     sampling), "all" (exact mode: decoder on every row; sampling on the final chunk)
+  prefill[T, plp]   requests asking for prompt logprobs: decoder and logits on every row (exact), scored at
+                    the next prompt token, plus sampling
   decode[B]         one token for each of B (bucketed) running requests: the whole 40-layer step + sampling
   snap_save/load    copy a request's SWA rings + compressor state to / from a snapshot slot (exact mode)
 """
@@ -85,7 +87,7 @@ class Runner:
 
     # ------------------------------------------------------------------ program bodies
     def _step(self, params, pools, slots, table, tokens, ids, pos0, n_valid, enc_clip, dec_clip, write_from,
-              samp, *, n_dec, do_sample):
+              samp, *, n_dec, do_sample, n_logits=1):
         cfg = self.cfg
         state = {"pages": pools["pages"], "page_table": table,
                  "swa": _swa_unpack(cfg, pools["swa"][:, slots])}
@@ -93,15 +95,24 @@ class Runner:
             state["comp_kv"] = pools["comp_kv"][:, slots]
             state["comp_score"] = pools["comp_score"][:, slots]
         logits, state, _ = step_impl(cfg, params, state, tokens, ids, pos0, enc_clip, dec_clip, write_from,
-                                     None, n_valid, fresh=False, n_dec=n_dec, n_logits=1, kv=self.kv)
+                                     None, n_valid, fresh=False, n_dec=n_dec, n_logits=n_logits, kv=self.kv)
         out = dict(pools, pages=state["pages"], swa=pools["swa"].at[:, slots].set(_swa_pack(cfg, state["swa"])))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state["comp_kv"])
             out["comp_score"] = pools["comp_score"].at[:, slots].set(state["comp_score"])
         if not do_sample:
             return out, None
-        res = sample(logits[:, 0], samp["temperature"], samp["top_k"], samp["top_p"], samp["min_p"],
+        if n_logits == 1:
+            last = logits[:, 0]
+        else:  # prompt logprobs: every row's distribution, scored at the next prompt token
+            last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
+        res = sample(last, samp["temperature"], samp["top_k"], samp["top_p"], samp["min_p"],
                      samp["seed"], samp["counter"], MAX_LOGPROBS)
+        if n_logits > 1:
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            nxt = jnp.take_along_axis(lp, samp["next_ids"][..., None], axis=-1)[..., 0]
+            top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+            res = res + (nxt, top_ids.astype(jnp.int32), top_lp)
         return out, res
 
     def _snap(self, pools, src, dst, *, save: bool):
@@ -116,12 +127,14 @@ class Runner:
         return out
 
     # ------------------------------------------------------------------ shapes and compilation
-    def _abstract_inputs(self, B, T):
+    def _abstract_inputs(self, B, T, plp=False):
         i32 = np.int32
         sds = jax.ShapeDtypeStruct
         ids = sds((B, T, self.n_eng, self.n_cols), i32) if self.n_eng else None
         samp = {"temperature": sds((B,), np.float32), "top_k": sds((B,), i32), "top_p": sds((B,), np.float32),
                 "min_p": sds((B,), np.float32), "seed": sds((B,), np.uint32), "counter": sds((B,), i32)}
+        if plp:
+            samp["next_ids"] = sds((B, T), i32)
         return (sds((B,), i32), sds((B, self.max_pages), i32), sds((B, T), i32), ids, sds((B,), i32),
                 sds((B,), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32), samp)
 
@@ -133,6 +146,8 @@ class Runner:
                 keys += [("prefill", T, "none"), ("prefill", T, "win")]
             else:
                 keys += [("prefill", T, "all"), ("prefill", T, "all+sample")]
+        if a.enable_prompt_logprobs:
+            keys += [("prefill", T, "plp") for T in a.prefill_buckets]
         keys += [("decode", B, "one") for B in a.decode_buckets]
         if not a.swa_bounded_replay:
             keys += [("snap", 1, "save"), ("snap", 1, "load")]
@@ -145,6 +160,8 @@ class Runner:
         W = self.cfg.window_size
         if kind == "decode":
             return partial(self._step, n_dec=1, do_sample=True)
+        if mode == "plp":  # decoder and logits on every row: prompt logprobs, exact (no CED trimming)
+            return partial(self._step, n_dec=n, do_sample=True, n_logits=n)
         n_dec = {"none": 0, "win": min(W, n), "all": n, "all+sample": n}[mode]
         return partial(self._step, n_dec=n_dec, do_sample=mode in ("win", "all+sample"))
 
@@ -169,7 +186,8 @@ class Runner:
                     self.programs[key] = fn
                     continue
                 jf = jax.jit(fn, donate_argnums=(1,))
-                self.programs[key] = jf.lower(self.params, self.pools, *self._abstract_inputs(B, T)).compile()
+                inputs = self._abstract_inputs(B, T, plp=key[2] == "plp")
+                self.programs[key] = jf.lower(self.params, self.pools, *inputs).compile()
             self.compile_count += 1
         return time.perf_counter() - t0
 

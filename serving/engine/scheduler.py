@@ -64,6 +64,7 @@ class Request:
     last_token_t: float | None = None
     admitted_once: bool = False
     restore_snapshot: int | None = None  # exact mode: snapshot slot to load before the first chunk
+    prompt_lps: list = field(default_factory=list)  # prompt logprobs (echo), first entry None
 
     @property
     def in_prefill(self) -> bool:
