@@ -174,13 +174,15 @@ def _to_lists(tree):
 
 
 def _init_tensor(cfg, key, t: Tensor, path) -> dict:
+    fp8 = cfg.weight_format == "fp8"
+    # large bf16 tensors are drawn in bf16 directly (no f32 temporary the size of all experts)
+    gen = BF16 if (not fp8 and t.fmt in ("lin", "exp", "table")) else F32
     if t.init == "ones":
         v = 1.0 + t.std * jax.random.normal(key, t.shape, F32)
     elif t.init == "uniform":
         v = jax.random.uniform(key, t.shape, F32, t.lo, t.hi)
     else:
-        v = t.std * jax.random.normal(key, t.shape, F32)
-    fp8 = cfg.weight_format == "fp8"
+        v = (jnp.asarray(t.std, gen) * jax.random.normal(key, t.shape, gen)).astype(gen)
     if path[-1] == "wo_a" and fp8:  # stored FP8 in the checkpoint, run in bf16: keep it FP8-representable
         v = quant.dequantize_weight_fp8(*quant.quantize_weight_fp8(v), F32)
     if t.fmt == "dense" and t.dtype == F32 and path[0] in ("head", "src_r1", "src_r2"):
