@@ -18,6 +18,10 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    import os
+
+    if os.environ.get("DSV41_COMMIT"):  # the device machine gets the tree without .git
+        return os.environ["DSV41_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
