@@ -109,7 +109,8 @@ def convert_for_param(name: str, t: torch.Tensor, p: torch.Tensor) -> torch.Tens
             raise SystemExit(f"{name}: param is {p.dtype}; file has non-float {t.dtype}")
         out = t.to(p.dtype)
     if tuple(out.shape) != tuple(p.shape):
-        raise SystemExit(f"{name}: shape {tuple(out.shape)} (file {tuple(t.shape)} {t.dtype}) != param {tuple(p.shape)}")
+        raise SystemExit(f"{name}: shape {tuple(out.shape)} (file {tuple(t.shape)} {t.dtype}) "
+                         f"!= param {tuple(p.shape)}")
     return out
 
 

@@ -25,7 +25,6 @@ import time
 
 import numpy as np
 import torch
-
 from harness_common import build_model, load_args, load_weights, official_model, reset_state
 from official import kernel_cpu
 
@@ -98,7 +97,8 @@ def main():
     ids = torch.from_numpy(tokens.astype(np.int64))
     B, S = ids.shape
     if B > args.max_batch_size or S > args.max_seq_len:
-        raise SystemExit(f"tokens {ids.shape} exceed max_batch_size={args.max_batch_size}/max_seq_len={args.max_seq_len}")
+        raise SystemExit(f"tokens {ids.shape} exceed max_batch_size={args.max_batch_size}/"
+                         f"max_seq_len={args.max_seq_len}")
     if a.force_topk:
         _forced.update(dict(np.load(a.force_topk)))
     _dump["on"] = a.dump_topk
