@@ -124,17 +124,21 @@ def routed_experts(cfg, p, x, weights, idx):
     quantized = cfg.qdq and is_quantized(p["w1"])
     xq = quant.fp8_qdq(x.astype(dt), 32) if quantized else x.astype(dt)
     xs = xq[tok]
-    w1 = jnp.swapaxes(expert_weight(p["w1"], dt), -1, -2)  # [E, D, I]
-    w3 = jnp.swapaxes(expert_weight(p["w3"], dt), -1, -2)
-    w2 = jnp.swapaxes(expert_weight(p["w2"], dt), -1, -2)  # [E, I, D]
     prec = jax.lax.Precision.HIGHEST if dt == F32 else None
-    g = jax.lax.ragged_dot(xs, w1, sizes, preferred_element_type=F32, precision=prec).astype(dt)
-    u = jax.lax.ragged_dot(xs, w3, sizes, preferred_element_type=F32, precision=prec).astype(dt)
+    # expert weights stay [E, out, in]: contract `in` directly (no transposed copy of every expert)
+    dn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                           rhs_group_dimensions=[0])
+
+    def gdot(a, w):
+        return jax.lax.ragged_dot_general(a, expert_weight(w, dt), sizes, dn, precision=prec,
+                                          preferred_element_type=F32).astype(dt)
+
+    g, u = gdot(xs, p["w1"]), gdot(xs, p["w3"])
     h = _swiglu(cfg, g, u) * weights.reshape(-1)[order][:, None]
     h = h.astype(dt)
     if quantized:
         h = quant.fp8_qdq(h, 32)
-    out = jax.lax.ragged_dot(h, w2, sizes, preferred_element_type=F32, precision=prec).astype(dt)
+    out = gdot(h, p["w2"])
     return jnp.zeros((N, D), F32).at[tok].add(out.astype(F32))
 
 
