@@ -7,9 +7,9 @@ Every phase runs in a fresh subprocess (`--child PHASE`) so its peak RSS (VmHWM,
   baseline  an idle process: python + jax + the checkpoint modules imported, backend started;
   make_hf   random_init on the device + write_hf (synthetic checkpoint; --shard-size-mb);
   import    checkpoints.load(HF dir) onto the device, run "cold" (the files' page cache evicted first with
-            posix_fadvise DONTNEED) and again "warm";
+            posix_fadvise DONTNEED) and "warm", --repeats times each (median time, largest peak);
   convert   HF import (untimed) + save_orbax (timed);
-  restore   checkpoints.load(Orbax dir), cold then warm.
+  restore   checkpoints.load(Orbax dir), cold and warm, --repeats times each.
 Reported per phase: wall time of the work itself (imports excluded), peak RSS, and peak RSS minus the idle
 baseline's peak. On CPU the parameters themselves live in host memory, so the loader's own overhead is
 peak - baseline - parameter bytes; on a GPU the parameters are on the device and the target is peak -
@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -125,14 +126,18 @@ def _du(d) -> int:
     return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file()) if Path(d).exists() else 0
 
 
-def _summary(res: dict, base_mb: float) -> dict:
-    peak = res["end"]["vm_hwm_mb"]
-    s = {"time_s": round(res["time_s"], 2), "peak_rss_mb": round(peak, 1),
-         "peak_minus_baseline_mb": round(peak - base_mb, 1)}
+def _summary(runs: list[dict], base_mb: float) -> dict:
+    """Median time and the largest peak RSS over the repeats of one phase."""
+    peak = max(r["end"]["vm_hwm_mb"] for r in runs)
+    res = runs[0]
+    s = {"time_s": round(statistics.median(r["time_s"] for r in runs), 2), "runs": len(runs),
+         "peak_rss_mb": round(peak, 1), "peak_minus_baseline_mb": round(peak - base_mb, 1)}
+    if len(runs) > 1:
+        s["times_s"] = [round(r["time_s"], 2) for r in runs]
     if "params_bytes" in res:
         s["params_mb"] = round(res["params_bytes"] / 2 ** 20, 1)
     if res.get("device_mem_mb"):
-        s["device_mem_mb"] = {k: round(v, 1) for k, v in res["device_mem_mb"].items()}
+        s["device_mem_mb"] = {k: round(max(r["device_mem_mb"][k] for r in runs), 1) for k in res["device_mem_mb"]}
     return s
 
 
@@ -143,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--dir", default=None, help="work directory (default /tmp/dsv41_ckpt_<preset>_<fmt>)")
     ap.add_argument("--shard-size-mb", type=float, default=4096)
     ap.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each cold / warm import and restore")
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint files afterwards")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -160,20 +166,16 @@ def main(argv=None):
     hf, ob = Path(a.dir) / "hf", Path(a.dir) / "orbax"
     Path(a.dir).mkdir(parents=True, exist_ok=True)
     raw: dict = {}
-    steps = ["baseline"] + [(p, k) for p in phases for k in (("cold", "warm") if p in ("import", "restore") else
-                                                             ("",))]
-    for step in tqdm(steps, desc="phases", unit="phase", file=sys.stderr):
-        if step == "baseline":
-            raw["baseline"] = _run_child(a, "baseline")
-            continue
-        phase, kind = step
+    timed = [(p, k) for p in phases for k in (("cold", "warm") if p in ("import", "restore") else ("",))]
+    steps = [("baseline", "")] + [(p, k) for p, k in timed for _ in range(a.repeats if k else 1)]
+    for phase, kind in tqdm(steps, desc="phases", unit="phase", file=sys.stderr):
         if kind != "warm":
             _evict(hf, ob)
-        raw[phase + (f"_{kind}" if kind else "")] = _run_child(a, phase)
-    base = raw["baseline"]["end"]["vm_hwm_mb"]
+        raw.setdefault(phase + (f"_{kind}" if kind else ""), []).append(_run_child(a, phase))
+    base = raw["baseline"][0]["end"]["vm_hwm_mb"]
     shards = sorted(hf.glob("*.safetensors"))
     largest = max((p.stat().st_size for p in shards), default=0)
-    res = {"preset": a.preset, "weight_format": a.weight_format, "backend": raw["baseline"]["backend"],
+    res = {"preset": a.preset, "weight_format": a.weight_format, "backend": raw["baseline"][0]["backend"],
            "shards": len(shards), "largest_shard_mb": round(largest / 2 ** 20, 1),
            "hf_checkpoint_mb": round(_du(hf) / 2 ** 20, 1), "orbax_checkpoint_mb": round(_du(ob) / 2 ** 20, 1),
            "baseline_peak_rss_mb": round(base, 1), "phases": {}}
@@ -182,7 +184,7 @@ def main(argv=None):
             continue
         s = _summary(v, base)
         if k == "make_hf":
-            s.update(init_s=round(v["init_s"], 2), write_s=round(v["write_s"], 2))
+            s.update(init_s=round(v[0]["init_s"], 2), write_s=round(v[0]["write_s"], 2))
         res["phases"][k] = s
     for k, mb in (("import_cold", "hf_checkpoint_mb"), ("import_warm", "hf_checkpoint_mb"),
                   ("restore_cold", "orbax_checkpoint_mb"), ("restore_warm", "orbax_checkpoint_mb")):

@@ -9,6 +9,11 @@ of one of our stacked leaves. `checkpoint_entries(cfg)` lists them with their st
 - Engram tables: F8_E4M3 [rows, head_dim] + ``.scale`` F8_E8M0 [rows, head_dim/32];
 - BF16: embed, head, norms, compressors, indexer wk / weights_proj, gate weight, Engram q/k weights;
 - F32: attn_sink, gate bias, mHC fn / base / scale.
+
+A checkpoint without ``quantization_config`` (what `make_hf` writes for weight_format "bf16") has the same
+names with every FP8/FP4 weight stored as BF16 [out, in] and no ``.scale`` tensors. `stored_tensors(cfg,
+quantized)` is the complete list of what a checkpoint must hold; names under `IGNORED_PREFIXES` (DSpark,
+vision) and the gate's ``bias_vl`` (image tokens) are accepted and skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ F32 = np.dtype(np.float32)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 I8 = np.dtype(np.int8)
+U8 = np.dtype(np.uint8)
+IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.")
+IGNORED_SUFFIXES = (".ffn.gate.bias_vl",)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,8 @@ def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
 
 
 def scale_shape(e: Entry) -> tuple | None:
+    if e.fmt == "dense":
+        return None
     out, inp = e.shape[-2], e.shape[-1]
     if e.fmt in ("fp8", "fp8_to_bf16"):
         return (_ceil(out, 32), _ceil(inp, 32))
@@ -119,6 +129,44 @@ def scale_shape(e: Entry) -> tuple | None:
 
 def stored_shape(e: Entry) -> tuple:
     return (e.shape[0], e.shape[1] // 2) if e.fmt == "fp4" else e.shape
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of the checkpoint file: its name, dtype and shape, and the entry (and role) it serves."""
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    entry: Entry
+    role: str  # weight | scale
+
+    @property
+    def accepted(self) -> tuple:
+        """Stored dtypes accepted for this tensor (packed FP4 bytes may be written as I8 or U8)."""
+        return (I8, U8) if self.dtype == I8 else (self.dtype,)
+
+
+def scale_name(e: Entry) -> str:
+    return e.name[:-len("weight")] + "scale"
+
+
+def stored_tensors(cfg: ModelConfig, quantized: bool = True) -> list[Stored]:
+    """Every tensor a checkpoint of `cfg` holds, in checkpoint order (weight, then its scale)."""
+    out = []
+    for e in checkpoint_entries(cfg):
+        if e.fmt == "dense":
+            out.append(Stored(e.name, e.dtype, e.shape, e, "weight"))
+        elif not quantized:
+            out.append(Stored(e.name, BF16, e.shape, e, "weight"))
+        else:
+            out.append(Stored(e.name, e.dtype, stored_shape(e), e, "weight"))
+            out.append(Stored(scale_name(e), E8M0, scale_shape(e), e, "scale"))
+    return out
+
+
+def is_ignored(name: str) -> bool:
+    """Tensors of the official checkpoint that a text-only model does not use."""
+    return name.startswith(IGNORED_PREFIXES) or name.endswith(IGNORED_SUFFIXES)
 
 
 def _leaf(params, path):

@@ -29,20 +29,16 @@ class QueueFull(RuntimeError):
 
 
 def load_model(model, seed: int = 0, weight_format: str | None = None):
-    """A preset name, a ModelConfig (random weights), or a checkpoint directory (HF layout or orbax)."""
-    import jax
-
-    from dsv41_jax.params import init_params
+    """A preset name, a ModelConfig (random weights built on device), or a checkpoint directory (HF or orbax)."""
+    import checkpoints
 
     if isinstance(model, ModelConfig):
         cfg = model
     elif isinstance(model, str) and not os.path.isdir(model):
         cfg = ModelConfig.preset(model)
     else:
-        import checkpoints
-
         return checkpoints.load(model, weight_format=weight_format)
-    return cfg, jax.jit(lambda: init_params(cfg, seed))()
+    return cfg, checkpoints.random_init(cfg, seed)
 
 
 class Engine:
