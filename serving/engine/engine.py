@@ -45,16 +45,16 @@ class Engine:
     def __init__(self, model="tiny", args: EngineArgs | None = None, *, params=None, tokenizer=None,
                  token_map=None, progress: bool = True, **engine_kw):
         args = args or EngineArgs(**engine_kw)
+        if args.compilation_cache_dir:  # before anything compiles, the weight init included
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         if params is None:
             cfg, params = load_model(model, args.seed)
         else:
             cfg = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
         self.cfg = cfg
-        if args.compilation_cache_dir:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.args = args.resolved(cfg)
         if tokenizer is None:
             from serving.tokenizer import ByteTokenizer
@@ -76,6 +76,7 @@ class Engine:
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.scheduler = Scheduler(self.args, self.pool, cfg.window_size, self.snapshots, self.metrics)
         self.requests: dict[str, Request] = {}
+        self.last_step_ids: list[str] | None = None  # requests the current step scheduled (None: not known yet)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
@@ -122,7 +123,11 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step. A failure while running a request's chunk fails only the requests of
+        that program call (their final output carries `error`); the others continue."""
+        self.last_step_ids = None
         sched = self.scheduler.schedule()
+        self.last_step_ids = [s.req.request_id for s in sched]
         touched = []
         for s in sched:
             if s.req.restore_snapshot is not None:
@@ -131,10 +136,10 @@ class Engine:
         pre = [s for s in sched if s.req.in_prefill]
         dec = [s for s in sched if not s.req.in_prefill]
         for s in pre:
-            self._run_prefill(s)
+            self._guarded(self._run_prefill, s, [s.req])
             touched.append(s.req)
         if dec:
-            self._run_decode(dec)
+            self._guarded(self._run_decode, dec, [s.req for s in dec])
             touched += [s.req for s in dec]
         outs = []
         seen = set()
@@ -149,6 +154,15 @@ class Engine:
         self.metrics.set("waiting", len(self.scheduler.waiting))
         self.metrics.set("kv_usage", self.pool.usage())
         return outs
+
+    def _guarded(self, fn, arg, reqs: list[Request]):
+        try:
+            fn(arg)
+        except Exception as e:  # noqa: BLE001 - isolate the failure to these requests
+            for r in reqs:
+                if r.status != FINISHED:
+                    r.error = f"{type(e).__name__}: {e}"
+                    self._finish(r, "abort")
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
         if self.hasher is None:
@@ -269,7 +283,7 @@ class Engine:
                 self.runner.run(("snap", 1, "save"), np.int32(req.slot), np.int32(slot))
 
     def _append(self, req: Request, res, i: int):
-        tok, tok_lp, top_ids, top_lps = (np.asarray(x) for x in res)
+        tok, tok_lp, top_ids, top_lps = (np.asarray(x) for x in res[:4])
         t = int(tok[i])
         now = time.perf_counter()
         req.tokens.append(t)
@@ -339,7 +353,7 @@ class Engine:
         out = RequestOutput(req.request_id, new_ids, new_text, lps, finished, req.finish_reason if finished else None,
                             req.n_prompt, req.num_cached, len(req.out_ids),
                             prompt_logprobs=req.prompt_lps if finished and req.sampling.prompt_logprobs is not None
-                            else None)
+                            else None, error=req.error)
         if finished:
             self.requests.pop(req.request_id, None)
         if req.callback is not None:

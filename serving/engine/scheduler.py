@@ -65,6 +65,7 @@ class Request:
     admitted_once: bool = False
     restore_snapshot: int | None = None  # exact mode: snapshot slot to load before the first chunk
     prompt_lps: list = field(default_factory=list)  # prompt logprobs (echo), first entry None
+    error: str | None = None  # set when the engine failed while running this request
 
     @property
     def in_prefill(self) -> bool:

@@ -1,0 +1,204 @@
+"""Harnesses that run a server for tests, notebooks and benchmarks.
+
+- `BackgroundServer(engine, config)`: the API server on its own event-loop thread in this process (the
+  engine object stays reachable for white-box checks). `start()` returns once both ports listen.
+- `spawn_server(args)`: `python -m serving.run ARGS` as a subprocess on free ports; returns once the server
+  printed its addresses (no blind sleeps). `terminate()` sends SIGTERM and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from serving.api.server import ApiServer, ServerConfig
+
+
+class BackgroundServer:
+    def __init__(self, engine, config: ServerConfig | None = None):
+        self.server = ApiServer(engine, config or ServerConfig(port=0, grpc_port=0))
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def grpc_target(self) -> str:
+        return self.server.grpc_target
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        def run():
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.server.start())
+            except BaseException as e:  # noqa: BLE001 - reported to start()
+                self._error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            loop.run_until_complete(self.server.wait_closed())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="api-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the API server did not start in time")
+        if self._error is not None:
+            raise RuntimeError(f"the API server failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self, timeout: float = 10.0):
+        if self._loop is None or self._thread is None or not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.server.shutdown(timeout), self._loop)
+        fut.result(timeout + 10)
+        self._thread.join(timeout + 10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+_READY = {"http": re.compile(r"HTTP server listening on (http://\S+)"),
+          "grpc": re.compile(r"gRPC server listening on (\S+)")}
+
+
+class SpawnedServer:
+    def __init__(self, proc: subprocess.Popen, want: set[str], timeout: float):
+        self.proc = proc
+        self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self.addr: dict[str, str] = {}
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name="server-output", daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not want <= set(self.addr):
+                left = deadline - time.monotonic()
+                if proc.poll() is not None or left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+        if not want <= set(self.addr):
+            self.kill()
+            why = f"exited with status {proc.returncode}" if proc.returncode is not None else "timed out"
+            raise RuntimeError(f"the server {why} before it was ready; its output:\n" + self.output())
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                for k, rx in _READY.items():
+                    m = rx.search(line)
+                    if m:
+                        self.addr[k] = m.group(1)
+                self._cond.notify_all()
+
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    @property
+    def http_url(self) -> str | None:
+        return self.addr.get("http")
+
+    @property
+    def grpc_target(self) -> str | None:
+        return self.addr.get("grpc")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait (bounded); returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.terminate()
+
+
+def spawn_server(args: list[str], *, timeout: float = 300.0, env: dict | None = None, grpc: bool = True,
+                 cwd: str | None = None) -> SpawnedServer:
+    """Start `python -m serving.run --port 0 --grpc-port 0 ARGS` and wait until it is ready."""
+    cmd = [sys.executable, "-u", "-m", "serving.run", "--port", "0", "--grpc-port", "0" if grpc else "-1", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env={**os.environ, **(env or {})}, cwd=cwd)
+    return SpawnedServer(proc, {"http", "grpc"} if grpc else {"http"}, timeout)
+
+
+# ---------------------------------------------------------------------------------------------- shared test server
+# Small shapes keep start-up fast on a CPU: one prefill bucket and one decode bucket (4 compiled programs).
+SMALL_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, prefill_buckets=(128,),
+                        decode_buckets=(8,))
+
+
+def shared_cache_dir() -> str:
+    """The persistent compilation cache shared by the API tests, the notebook and their server subprocesses."""
+    return os.path.expanduser(os.environ.get("DSV41_COMPILATION_CACHE_DIR", "~/.cache/dsv41-jax/jax"))
+
+
+def small_server_args() -> list[str]:
+    """`python -m serving.run` flags equal to SMALL_ENGINE_ARGS (same programs: compilation-cache hits)."""
+    a = SMALL_ENGINE_ARGS
+    return ["--max-model-len", str(a["max_model_len"]), "--max-num-seqs", str(a["max_num_seqs"]),
+            "--max-num-batched-tokens", str(a["max_num_batched_tokens"]),
+            "--prefill-buckets", ",".join(map(str, a["prefill_buckets"])),
+            "--decode-buckets", ",".join(map(str, a["decode_buckets"])), "--compilation-cache-dir", shared_cache_dir()]
+
+
+_shared: BackgroundServer | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_test_server() -> BackgroundServer:
+    """One in-process server (tiny preset, byte tokenizer) per test process, started on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            import atexit
+
+            import jax
+
+            from serving.engine.config import EngineArgs
+            from serving.engine.engine import Engine, load_model
+
+            cache = shared_cache_dir()
+            os.makedirs(cache, exist_ok=True)
+            # before the weights, so their init program is cached too (JAX keeps one persistent cache per process)
+            jax.config.update("jax_compilation_cache_dir", cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            cfg, params = load_model("tiny")
+            engine = Engine(cfg, EngineArgs(**SMALL_ENGINE_ARGS, compilation_cache_dir=cache), params=params,
+                            progress=False)
+            _shared = BackgroundServer(engine, ServerConfig(port=0, grpc_port=0, served_model_name="tiny",
+                                                            shutdown_timeout=5)).start()
+            atexit.register(_shared.stop)
+        return _shared

@@ -1,0 +1,213 @@
+"""`python -m serving.run`: serve a model over gRPC (dsv41.v1) and OpenAI-compatible HTTP in one process.
+
+With no arguments it serves the embedded default model (the `tiny` preset with random weights, byte-level
+tokenizer) on loopback: HTTP on 8000, gRPC on 50051, and prints both addresses when ready. Flags follow
+vLLM's names where the concept is the same. See docs/SERVING.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+from serving.engine.config import EngineArgs
+
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")
+PRESETS = ("tiny", "small", "medium", "full")
+_D = EngineArgs()  # engine defaults, so the help text stays in sync with the engine
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise argparse.ArgumentTypeError(f"buckets must be positive integers, got {text!r}")
+    return vals
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.run", description=__doc__, formatter_class=_Formatter,
+        epilog="Examples:\n  python -m serving.run\n  python -m serving.run --model /ckpt/dsv41-flash --tokenizer "
+               "/ckpt/dsv41-flash/tokenizer.json --max-model-len 32768 --host 0.0.0.0")
+    BoolOpt = argparse.BooleanOptionalAction
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "--checkpoint", dest="model", default="tiny",
+                   help="a preset (tiny | small | medium | full: random weights) or a checkpoint directory "
+                        "(official HF layout or orbax)")
+    g.add_argument("--weight-format", default=None, help="checkpoint weight format passed to the loader "
+                                                          "(None: detected)")
+    g.add_argument("--tokenizer", default="auto",
+                   help="byte (UTF-8 bytes; ids 256/257 are BOS/EOS), a path to an HF tokenizer.json (or its "
+                        "directory), or none (token-id prompts only; text fields stay empty). auto: the checkpoint "
+                        "directory's tokenizer.json if it has one, else byte")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name in the API (None: the preset name or the checkpoint directory name)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file or string (None: the tokenizer's, else a built-in one)")
+    g.add_argument("--seed", type=int, default=_D.seed, help="seed for random weights and default sampling seeds")
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (None: min(model max_seq_len, 1024))")
+    g.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens,
+                   help="token budget of one engine step (must be >= the sliding window)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=_D.long_prefill_token_threshold,
+                   help="cap on one request's prefill chunk while others wait (0: off)")
+    g.add_argument("--prefill-schedule-interval", type=int, default=_D.prefill_schedule_interval,
+                   help="while decodes run, schedule prefill chunks only every N steps (1: every step)")
+    g.add_argument("--swa-bounded-replay", action=BoolOpt, default=_D.swa_bounded_replay,
+                   help="on a prefix-cache hit, replay only the last window of cached tokens instead of "
+                        "storing sliding-window snapshots (--no-swa-bounded-replay: exact mode)")
+    g.add_argument("--enable-prefix-caching", action=BoolOpt, default=_D.enable_prefix_caching,
+                   help="reuse the global KV of shared prompt prefixes (64-token pages)")
+    g.add_argument("--num-pages", type=int, default=_D.num_pages,
+                   help="global-KV pages of 64 tokens (0: 2 x max_num_seqs x pages per max_model_len)")
+    g.add_argument("--session-ttl", type=float, default=_D.session_ttl_s,
+                   help="seconds a session's cached prefix is protected from eviction after its request")
+    g.add_argument("--max-queued-requests", type=int, default=_D.max_queued_requests,
+                   help="waiting requests beyond which new ones get 503 / RESOURCE_EXHAUSTED")
+    if hasattr(_D, "enable_prompt_logprobs"):
+        g.add_argument("--enable-prompt-logprobs", action=BoolOpt, default=_D.enable_prompt_logprobs,
+                       help="compile the programs for prompt logprobs (echo + logprobs, lm-eval loglikelihood)")
+    g.add_argument("--kernels", choices=("xla", "pallas"), default=_D.kernels, help="kernel implementation")
+    g.add_argument("--execution", choices=("compiled", "eager"), default=_D.execution,
+                   help="compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_D.tensor_parallel_size,
+                   help="devices per tensor-parallel group (only 1 in this build)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=_D.data_parallel_size,
+                   help="data-parallel attention ranks (only 1 in this build)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=_D.enable_expert_parallel,
+                   help="split the experts across the data-parallel ranks (not in this build)")
+    g.add_argument("--prefill-buckets", type=_buckets, default=None,
+                   help="prefill chunk sizes to compile, e.g. 64,256 (None: powers of two up to "
+                        "max_num_batched_tokens; on CPU just max_num_batched_tokens)")
+    g.add_argument("--decode-buckets", type=_buckets, default=None,
+                   help="decode batch sizes to compile, e.g. 1,8 (None: powers of two up to max_num_seqs; on "
+                        "CPU just max_num_seqs)")
+    g.add_argument("--compilation-cache-dir", default=DEFAULT_CACHE_DIR,
+                   help="JAX persistent compilation cache: a second start reuses compiled programs ('none' "
+                        "disables)")
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one; -1: no HTTP)")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: pick a free one; -1: no gRPC)")
+    g.add_argument("--max-request-bytes", type=int, default=0,
+                   help="largest accepted request body / gRPC message in bytes (0: max(1 MiB, 32 x "
+                        "max_model_len))")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="logging level (logs go to stderr; the ready lines to stdout)")
+    return p
+
+
+def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> EngineArgs:
+    mbt, seqs = a.max_num_batched_tokens, a.max_num_seqs
+    kw = dict(max_model_len=a.max_model_len or min(max_seq_len, 1024), max_num_seqs=seqs,
+              max_num_batched_tokens=mbt, long_prefill_token_threshold=a.long_prefill_token_threshold,
+              prefill_schedule_interval=a.prefill_schedule_interval, swa_bounded_replay=a.swa_bounded_replay,
+              enable_prefix_caching=a.enable_prefix_caching, num_pages=a.num_pages, session_ttl_s=a.session_ttl,
+              max_queued_requests=a.max_queued_requests, execution=a.execution, kernels=a.kernels,
+              compilation_cache_dir=cache_dir(a), prefill_buckets=a.prefill_buckets or ((mbt,) if on_cpu else ()),
+              decode_buckets=a.decode_buckets or ((seqs,) if on_cpu else ()), seed=a.seed,
+              tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+              enable_expert_parallel=a.enable_expert_parallel)
+    if hasattr(a, "enable_prompt_logprobs"):
+        kw["enable_prompt_logprobs"] = a.enable_prompt_logprobs
+    return EngineArgs(**kw)
+
+
+def cache_dir(a) -> str | None:
+    d = a.compilation_cache_dir
+    if not d or d.lower() == "none":
+        return None
+    return os.path.expanduser(d)
+
+
+def _tokenizer_spec(a) -> str:
+    if a.tokenizer != "auto":
+        return a.tokenizer
+    if os.path.isdir(a.model) and os.path.isfile(os.path.join(a.model, "tokenizer.json")):
+        return os.path.join(a.model, "tokenizer.json")
+    return "byte"
+
+
+def build(a: argparse.Namespace):
+    """Load the model and tokenizer, compile the engine; returns (engine, ServerConfig)."""
+    import jax
+
+    from dsv41_jax.config import ModelConfig
+    from serving.api.server import ServerConfig
+    from serving.engine.engine import Engine, load_model
+    from serving.tokenizer import load_tokenizer
+
+    log = logging.getLogger("serving.run")
+    is_preset = not os.path.isdir(a.model)
+    if is_preset and a.model not in PRESETS:
+        raise ValueError(f"--model {a.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    on_cpu = jax.default_backend() == "cpu"
+    cache = cache_dir(a)
+    if cache:  # before the weights: init/convert programs are cached too
+        os.makedirs(cache, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if is_preset:  # validate the flags before any expensive work
+        engine_args(a, ModelConfig.preset(a.model).max_seq_len, on_cpu).resolved(ModelConfig.preset(a.model))
+    t0 = time.perf_counter()
+    log.info("loading %s (backend %s)", a.model, jax.default_backend())
+    kw = {"weight_format": a.weight_format} if a.weight_format else {}
+    cfg, params = load_model(a.model, a.seed, **kw)
+    args = engine_args(a, cfg.max_seq_len, on_cpu)
+    spec = _tokenizer_spec(a)
+    if spec == "byte" and cfg.vocab_size < 256:
+        log.warning("vocabulary %d < 256: no byte tokenizer, serving token ids only", cfg.vocab_size)
+        spec = "none"
+    tok = load_tokenizer(spec, cfg.vocab_size)
+    log.info("model loaded in %.1f s; compiling the engine's programs", time.perf_counter() - t0)
+    engine = Engine(cfg, args, params=params, tokenizer=tok, progress=True)
+    log.info("engine ready: %d programs in %.1f s (compilation cache: %s)", engine.runner.compile_count,
+             engine.warmup_s, cache or "off")
+    name = a.served_model_name or (a.model if is_preset else os.path.basename(os.path.normpath(a.model)))
+    config = ServerConfig(host=a.host, port=a.port, grpc_port=a.grpc_port, served_model_name=name,
+                          aliases={a.model, cfg.name}, chat_template=a.chat_template,
+                          max_request_bytes=a.max_request_bytes, shutdown_timeout=a.shutdown_timeout)
+    return engine, config
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.log_level != "debug":
+        logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing (no TPU, ...) is not news
+    try:
+        engine, config = build(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from serving.api.server import serve
+
+    try:
+        return asyncio.run(serve(engine, config))
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
