@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--seq", type=int, default=48)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--decode-from", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the numbers to this results JSON")
     a = ap.parse_args()
     ov = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(a.config).items()}
     cfg = ModelConfig.preset("tiny", **ov)
@@ -71,9 +72,18 @@ def main():
           f"argmax agree {np.mean(ours.argmax(-1) == r.argmax(-1)):.3f}  "
           f"bit-identical rows {np.mean(np.all(ours == r, -1)):.3f}")
     _, free_topk = paths.forward(cfg, params, toks, return_topk=True)
+    res = {"config": json.loads(a.config), "batch": a.batch, "seq": a.seq, "forced_rel_err": rel,
+           "forced_max_abs": float(np.abs(ours - r).max()), "forced_argmax_agree": float(np.mean(
+               ours.argmax(-1) == r.argmax(-1))), "forced_bit_identical_rows": float(np.mean(np.all(ours == r, -1)))}
     for l in cfg.index_source_layers:
-        agree = np.mean(np.asarray(free_topk[l]) == ref[f"topk_L{l}"])
+        agree = float(np.mean(np.asarray(free_topk[l]) == ref[f"topk_L{l}"]))
+        res[f"unforced_topk_agree_L{l}"] = agree
         print(f"  unforced top-k agreement, layer {l}: {agree:.3f}")
+    if a.out:
+        from bench.common import write_result
+
+        write_result(a.out, res, command="python -m tools.official_parity.compare --python PY --config "
+                     f"'{a.config}' --seq {a.seq} --batch {a.batch}")
 
 
 if __name__ == "__main__":
