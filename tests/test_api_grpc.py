@@ -2,15 +2,14 @@
 prompt logprobs, and bad input (INVALID_ARGUMENT / RESOURCE_EXHAUSTED; the server stays SERVING)."""
 
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from serving.api.context import engine_stats
-from serving.api.testing import shared_test_server
+from serving.api.testing import server_stats as stats
+from serving.api.testing import shared_test_server, wait_idle
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
 
@@ -34,19 +33,6 @@ def channel(server):
 def stub(channel):
     return pb_grpc.InferenceStub(channel)
 
-
-def stats(server):
-    return server.server.client.loop.call(engine_stats).result(30)
-
-
-def wait_idle(server, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(server)
-        if s["requests"]["running"] == 0 and s["requests"]["waiting"] == 0 and s["pages"]["referenced"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"engine not idle: {s}"
-        time.sleep(0.05)
 
 
 def serving(channel, service=""):

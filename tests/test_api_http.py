@@ -3,15 +3,14 @@ echo + prompt logprobs, cancellation, metrics, and bad input (the server stays h
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from serving.api.context import engine_stats
-from serving.api.testing import shared_test_server
+from serving.api.testing import server_stats as stats
+from serving.api.testing import shared_test_server, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,20 +44,6 @@ def http(server, path, body=None, *, method=None, headers=None, raw: bytes | Non
     except ValueError:
         return status, text
 
-
-def stats(server):
-    return server.server.client.loop.call(engine_stats).result(30)
-
-
-def wait_idle(server, timeout=30.0):
-    """Poll the engine until nothing runs and no page is referenced."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stats(server)
-        if s["requests"]["running"] == 0 and s["requests"]["waiting"] == 0 and s["pages"]["referenced"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"engine not idle: {s}"
-        time.sleep(0.05)
 
 
 def assert_healthy(server):

@@ -202,3 +202,21 @@ def shared_test_server() -> BackgroundServer:
                                                             shutdown_timeout=5)).start()
             atexit.register(_shared.stop)
         return _shared
+
+
+def server_stats(server):
+    """Engine statistics of an in-process test server (read on the engine thread)."""
+    from serving.api.context import engine_stats
+
+    return server.server.client.loop.call(engine_stats).result(30)
+
+
+def wait_idle(server, timeout: float = 30.0):
+    """Poll the engine until nothing runs and no page is referenced."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server_stats(server)
+        if s["requests"]["running"] == 0 and s["requests"]["waiting"] == 0 and s["pages"]["referenced"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"engine not idle: {s}"
+        time.sleep(0.05)
