@@ -21,7 +21,7 @@ import dsv41_jax  # noqa: F401
 from bench.common import write_result
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
-from dsv41_jax.model import init_state, step, step_args
+from dsv41_jax.model import ChunkInputs, init_state, step
 
 
 def main():
@@ -42,8 +42,8 @@ def main():
     for mode, n_dec in (("ced", cfg.window_size), ("full", T)):
         def run():
             state = init_state(cfg, 1, T)
-            lg, _, _ = step(cfg, params, state, jnp.asarray(toks), ids, **step_args(1, 0, 0, T - n_dec, 0),
-                            fresh=True, n_dec=n_dec, n_logits=1)
+            inp = ChunkInputs.make(toks, ids, dec_clip=T - n_dec)
+            lg, _, _ = step(cfg, params, state, inp, fresh=True, n_dec=n_dec, n_logits=1)
             return jax.block_until_ready(lg)
 
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import dsv41_jax  # noqa: F401  (sets XLA flags before the backend starts)
 from bench.common import write_result
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.model import init_state, step
+from dsv41_jax.model import ChunkInputs, init_state, step
 from dsv41_jax.params import abstract_params
 
 
@@ -37,7 +37,8 @@ def main():
     n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     ids = jax.ShapeDtypeStruct((B, T, len(cfg.engram_layer_ids), n_cols), jnp.int32) if cfg.engram_layer_ids else None
     t0 = time.perf_counter()
-    lowered = step.lower(cfg, params, state, toks, ids, i32, i32, i32, i32, fresh=True, n_dec=T, n_logits=1)
+    inp = ChunkInputs(toks, ids, i32, i32, i32, i32, i32)
+    lowered = step.lower(cfg, params, state, inp, fresh=True, n_dec=T, n_logits=1)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()

@@ -227,7 +227,7 @@ class _Importer:
     def _leaf(self, path, leaf):
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
         # no mesh: uncommitted arrays on the default device, as jit outputs (init_params) are
-        sharding = None if self.mesh is None else leaf_sharding(path, shape, self.mesh, self.expert_axis)
+        sharding = None if self.mesh is None else leaf_sharding(self.cfg, path, shape, self.mesh, self.expert_axis)
         dev = None
         for whole, j, pre, a, buf in self._slabs(path, shape, dtype):
             if whole:

@@ -112,7 +112,7 @@ def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: in
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if kind == "chunked" else \
         jax.ShapeDtypeStruct((len(items),), jax.random.key(0).dtype)
     names = jax.eval_shape(fn, key).keys()
-    return jax.jit(fn, out_shardings={n: leaf_sharding(tuple(n.split("/")), shapes[n], mesh, expert_axis)
+    return jax.jit(fn, out_shardings={n: leaf_sharding(cfg, tuple(n.split("/")), shapes[n], mesh, expert_axis)
                                       for n in names})
 
 

@@ -1,19 +1,23 @@
 """Where each parameter leaf lives: one device, or a NamedSharding per leaf on a mesh.
 
-Rule (simple and enough for one host): the stacked routed-expert leaves ``layers.ffn.experts.*``
-([L, E, ...]) are split along the expert axis E over one mesh axis (the mesh axis named "expert" if there
-is one, else the first axis) when E divides evenly; every other leaf is replicated. Without a mesh every
-leaf is on the default device (`jax.devices()[0]`).
+Placement follows each leaf's logical axes (dsv41_jax.params.tensor_specs) through the rule table of
+dsv41_jax.sharding — never parameter names. Today's rule: the routed-expert axis ("experts") is split over one
+mesh axis (the axis named by `expert_axis`, else the mesh's "expert" axis, else its first axis) when the
+expert count divides evenly; every other leaf is replicated. Without a mesh every leaf is on the default
+device (`jax.devices()[0]`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from checkpoints.tree import map_with_path
+from dsv41_jax import sharding as logical
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.params import abstract_params
+from dsv41_jax.params import abstract_params, param_specs
 
 
 def expert_axis_of(mesh: Mesh, expert_axis: str | None = None) -> str:
@@ -21,16 +25,28 @@ def expert_axis_of(mesh: Mesh, expert_axis: str | None = None) -> str:
         if expert_axis not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {expert_axis!r} (axes {mesh.axis_names})")
         return expert_axis
-    return "expert" if "expert" in mesh.axis_names else mesh.axis_names[0]
+    return logical.EXPERT if logical.EXPERT in mesh.axis_names else mesh.axis_names[0]
 
 
-def leaf_sharding(path: tuple, shape: tuple, mesh: Mesh | None, expert_axis: str | None = None):
+@functools.cache
+def _axes_by_path(cfg: ModelConfig) -> dict:
+    return {tuple(str(k) for k in path): leaf.axes for path, leaf in param_specs(cfg).items()}
+
+
+def axes_of(cfg: ModelConfig, path: tuple) -> tuple:
+    """The logical axes of the leaf at `path` (keys may be strings or ints)."""
+    key = tuple(str(k) for k in path)
+    try:
+        return _axes_by_path(cfg)[key]
+    except KeyError:
+        raise KeyError(f"no parameter leaf {'/'.join(key)} in config {cfg.name}") from None
+
+
+def leaf_sharding(cfg: ModelConfig, path: tuple, shape: tuple, mesh: Mesh | None, expert_axis: str | None = None):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
-    ax = expert_axis_of(mesh, expert_axis)
-    if "experts" in path and len(shape) >= 2 and shape[1] % mesh.shape[ax] == 0:
-        return NamedSharding(mesh, PartitionSpec(None, ax))
-    return NamedSharding(mesh, PartitionSpec())
+    rules = {**logical.DEFAULT_RULES, "experts": expert_axis_of(mesh, expert_axis)}
+    return logical.named_sharding(axes_of(cfg, path), shape, mesh, rules)
 
 
 def replicated(mesh: Mesh | None):
@@ -40,11 +56,21 @@ def replicated(mesh: Mesh | None):
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None):
     """A pytree of shardings shaped like the parameters of `cfg`."""
-    return map_with_path(lambda p, a: leaf_sharding(p, a.shape, mesh, expert_axis), abstract_params(cfg))
+    return map_with_path(lambda p, a: leaf_sharding(cfg, p, a.shape, mesh, expert_axis), abstract_params(cfg))
 
 
 def abstract_sharded(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None):
     """jax.ShapeDtypeStruct leaves with their target shardings (what Orbax restores into)."""
     return map_with_path(
-        lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=leaf_sharding(p, a.shape, mesh, expert_axis)),
+        lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                          sharding=leaf_sharding(cfg, p, a.shape, mesh, expert_axis)),
         abstract_params(cfg))
+
+
+def module_shardings(model, mesh: Mesh | None = None, expert_axis: str | None = None):
+    """Shardings for an NNX `DSV41`, read from the logical axes its nnx.Params carry (a tree like its params)."""
+    if mesh is None:
+        return jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), model.pure_params())
+    rules = {**logical.DEFAULT_RULES, "experts": expert_axis_of(mesh, expert_axis)}
+    return jax.tree.map(lambda x, a: logical.named_sharding(a, x.shape, mesh, rules), model.pure_params(),
+                        model.logical_axes(), is_leaf=lambda v: isinstance(v, tuple))

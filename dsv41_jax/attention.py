@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from dsv41_jax import quant
 from dsv41_jax.layers import F32, cdtype, dense, linear, mm, rms_norm
 from dsv41_jax.rope import apply_rope
+from dsv41_jax.weights import materialize
 
 NEG_INF = float("-inf")
 SOFTMAX_CHUNK = 64
@@ -149,21 +150,40 @@ def build_entries(cfg, p_comp, p_idx, lat, j, ratio: int, freqs):
 
 
 # ----------------------------------------------------------------------------- indexer
-def index_scores(cfg, p, x, qr, qpos, index_k, ratio: int, freqs):
-    """Lightning-indexer scores [B,T,C] over every cache entry; unreachable entries are -inf."""
+def index_query(cfg, p, x, qr, qpos, freqs, lin=linear):
+    """Index queries q [B,T,Hi,di] (RoPE'd, FP4-qdq'd) and head weights w [B,T,Hi] (scaled, compute dtype)."""
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
     dt = cdtype(cfg)
-    q = linear(cfg, p["wq_b"], qr).reshape(*qr.shape[:-1], Hi, di)
+    q = lin(cfg, p["wq_b"], qr).reshape(*qr.shape[:-1], Hi, di)
     q = apply_rope(q, qpos, freqs)
     if cfg.qdq:
         q = quant.fp4_qdq(q, 32, "ue8m0")
-    w = (dense(cfg, p["weights_proj"], x).astype(F32) * jnp.float32(di ** -0.5 * Hi ** -0.5)).astype(dt)
-    s = mm(q, index_k.astype(dt), "bthd,bcd->bthc").astype(dt)
-    s = (jnp.maximum(s, 0) * w[..., None]).astype(dt)
-    s = jnp.sum(s.astype(F32), axis=2).astype(dt)
+    w = (dense(cfg, materialize(p["weights_proj"]), x).astype(F32) * jnp.float32(di ** -0.5 * Hi ** -0.5)).astype(dt)
+    return q, w
+
+
+def index_scores(cfg, p, x, qr, qpos, index_k, ratio: int, freqs, lin=linear):
+    """Lightning-indexer scores [B,T,C] over every cache entry; unreachable entries are -inf."""
+    dt = cdtype(cfg)
+    q, w = index_query(cfg, p, x, qr, qpos, freqs, lin)
+    # the reference rounds to bf16 after the dot, after relu(s) * w and after the head sum. The products are
+    # formed in f32 and rounded explicitly: XLA:CPU otherwise fuses a bf16 multiply into the f32 reduction and
+    # drops that rounding, even without excess precision.
+    rnd = _round_to(dt)
+    s = rnd(mm(q, index_k.astype(dt), "bthd,bcd->bthc"))
+    s = rnd(jnp.maximum(s, 0) * w[..., None].astype(F32))
+    s = rnd(jnp.sum(s, axis=2))
     C = index_k.shape[1]
     vis = jnp.arange(C)[None, None, :] < ((qpos + 1) // ratio)[..., None]
-    return jnp.where(vis, s.astype(F32), NEG_INF)
+    return jnp.where(vis, s, NEG_INF)
+
+
+def _round_to(dt):
+    """f32 -> f32 rounded to `dt`'s precision (round to nearest even), kept as f32; identity for f32."""
+    if dt == F32:
+        return lambda v: v.astype(F32)
+    fi = jnp.finfo(dt)
+    return lambda v: jax.lax.reduce_precision(v.astype(F32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
 
 
 def candidate_blocks(cfg, scores, qpos, ratio: int):

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv41_jax import engram_hash
+from dsv41_jax import engram_hash, kv_format
 
 KIND_SWA = "swa"  # ratio 0: sliding window only
 KIND_SRC = "src"  # KV source (compressor) + index source owning the index keys
@@ -222,15 +222,13 @@ class ModelConfig:
 
     def global_kv_bytes_per_token(self) -> float:
         """Persisted global KV per token: FP4 latents (e2m1 + E4M3 per 16) and FP4 index keys
-        (e2m1 + UE8M0 per 32), each divided by its source's compression ratio."""
-        d, di = self.head_dim, self.index_head_dim
-        latent = d // 2 + d // 16
-        index = di // 2 + di // 32
-        return float(sum((latent + index) / self.compress_ratios[l] for l in self.kv_source_layers))
+        (e2m1 + UE8M0 per 32), each divided by its source's compression ratio (dsv41_jax.kv_format)."""
+        entry = kv_format.fp4_latent_bytes(self.head_dim) + kv_format.fp4_index_bytes(self.index_head_dim)
+        return float(sum(entry / self.compress_ratios[l] for l in self.kv_source_layers))
 
     def swa_kv_bytes_per_request(self) -> int:
         """SWA rings (FP8 + UE8M0 per 32) for every layer: bounded, whatever the context length."""
-        return self.n_layers * self.window_size * (self.head_dim + self.head_dim // 32)
+        return self.n_layers * self.window_size * kv_format.fp8_swa_bytes(self.head_dim)
 
     # ------------------------------------------------------------------ HF config
     @staticmethod

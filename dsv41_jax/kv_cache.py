@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax import quant
+from dsv41_jax.kv_format import PAGE_TOKENS, index_entry_bytes, latent_entry_bytes
 
-PAGE_TOKENS = 64
+__all__ = ["PAGE_TOKENS", "DenseKV", "PagedKV", "PageLayout"]
 
 
 class DenseKV:
@@ -72,10 +73,8 @@ class PageLayout:
     @staticmethod
     def for_config(cfg) -> PageLayout:
         fmt = "fp4" if cfg.qdq else cfg.compute_dtype
-        raw = 2 if cfg.compute_dtype == "bfloat16" else 4
         d, di = cfg.head_dim, cfg.index_head_dim
-        lat_b = d // 2 + d // 16 if fmt == "fp4" else d * raw
-        idx_b = di // 2 + di // 32 if fmt == "fp4" else di * raw
+        lat_b, idx_b = latent_entry_bytes(cfg), index_entry_bytes(cfg)
         srcs = {}
         for l in cfg.kv_source_layers:
             r = cfg.compress_ratios[l]
@@ -135,6 +134,10 @@ class PagedKV:
         first = self.layout.region(kind, ratio, 0)
         n, eb = first[1], first[2]
         return first[0] + src * n * eb, n, eb
+
+    def region_offset(self, kind, ratio, src):
+        """Byte offset inside a page of a source's region (src may be traced)."""
+        return self._select_region(kind, ratio, src)[0]
 
     def _byte_index(self, state, kind, ratio, src, entries):
         """Flat byte indices [.., entry_bytes] of global entries (per batch row) in the page pool."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import quant
 from dsv41_jax.params import expert_weight, is_quantized, lin_weight
+from dsv41_jax.weights import materialize
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -40,6 +41,7 @@ def act_qdq(cfg, x, p):
 
 def linear(cfg, p, x):
     """y = x W^T for a (possibly FP8 block-32) linear; output rounded to the compute dtype."""
+    p = materialize(p)
     dt = cdtype(cfg)
     x = act_qdq(cfg, x.astype(dt), p)
     return mm(x, lin_weight(p, dt), "...i,oi->...o").astype(dt)
@@ -54,12 +56,17 @@ def dense(cfg, w, x, f32: bool = False):
 
 
 # ----------------------------------------------------------------------------- mHC
+def hc_logits(cfg, x, fn):
+    """x [..., hc, D] -> the (2+hc)*hc mixing logits m = (flatten(x) @ fn^T) * rsqrt(mean(x^2) + eps), f32."""
+    xf = x.astype(F32).reshape(*x.shape[:-2], -1)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+    return mm(xf, fn.astype(F32), "...i,oi->...o") * r
+
+
 def hc_mixes(cfg, x, fn, scale, base):
     """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
     hc = cfg.hc_mult
-    xf = x.astype(F32).reshape(*x.shape[:-2], -1)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
-    m = mm(xf, fn.astype(F32), "...i,oi->...o") * r
+    m = hc_logits(cfg, x, fn)
     eps = cfg.hc_eps
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
@@ -98,7 +105,7 @@ def gate(cfg, p, x):
     return w * cfg.route_scale, idx
 
 
-def _swiglu(cfg, g, u):
+def swiglu(cfg, g, u):
     g, u = g.astype(F32), u.astype(F32)
     if cfg.swiglu_limit > 0:
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
@@ -106,13 +113,14 @@ def _swiglu(cfg, g, u):
     return jax.nn.silu(g) * u
 
 
-def shared_expert(cfg, p, x):
-    h = _swiglu(cfg, linear(cfg, p["w1"], x), linear(cfg, p["w3"], x))
-    return linear(cfg, p["w2"], h.astype(x.dtype))
+def shared_expert(cfg, p, x, lin=linear):
+    h = swiglu(cfg, lin(cfg, p["w1"], x), lin(cfg, p["w3"], x))
+    return lin(cfg, p["w2"], h.astype(x.dtype))
 
 
 def routed_experts(cfg, p, x, weights, idx):
     """sum_k weights[k] * Expert_{idx[k]}(x) in f32, via a grouped (ragged) matmul over sorted assignments."""
+    p = materialize(p)
     dt = cdtype(cfg)
     N, D = x.shape
     k = idx.shape[-1]
@@ -134,7 +142,7 @@ def routed_experts(cfg, p, x, weights, idx):
                                           preferred_element_type=F32).astype(dt)
 
     g, u = gdot(xs, p["w1"]), gdot(xs, p["w3"])
-    h = _swiglu(cfg, g, u) * weights.reshape(-1)[order][:, None]
+    h = swiglu(cfg, g, u) * weights.reshape(-1)[order][:, None]
     h = h.astype(dt)
     if quantized:
         h = quant.fp8_qdq(h, 32)
@@ -142,12 +150,13 @@ def routed_experts(cfg, p, x, weights, idx):
     return jnp.zeros((N, D), F32).at[tok].add(out.astype(F32))
 
 
-def moe(cfg, p, x):
+def moe(cfg, p, x, lin=linear, experts=routed_experts):
+    """`lin` / `experts` are the GEMM implementations (the ops seam passes its own; these are the references)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, idx = gate(cfg, p["gate"], x2)
-    y = routed_experts(cfg, p["experts"], x2, w, idx)
-    y = y + shared_expert(cfg, p["shared"], x2).astype(F32)
+    w, idx = gate(cfg, materialize(p["gate"]), x2)
+    y = experts(cfg, p["experts"], x2, w, idx)
+    y = y + shared_expert(cfg, p["shared"], x2, lin).astype(F32)
     return y.astype(x.dtype).reshape(shape)
 
 
@@ -163,10 +172,10 @@ def engram_lookup(cfg, p, ids):
     return rows.astype(cdtype(cfg)).reshape(*ids.shape[:-1], -1)
 
 
-def engram(cfg, p, h, ids):
+def engram(cfg, p, h, ids, lin=linear):
     """h [..., hc, D]; ids [..., n_cols] -> h + gate_c * value per hc copy (gate normalised per copy)."""
     hc, D = cfg.hc_mult, cfg.dim
-    kv = linear(cfg, p["wkv"], engram_lookup(cfg, p, ids))
+    kv = lin(cfg, p["wkv"], engram_lookup(cfg, p, ids))
     key = kv[..., :hc * D].astype(F32).reshape(*kv.shape[:-1], hc, D)
     value = kv[..., hc * D:].astype(F32)
     w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)

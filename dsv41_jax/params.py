@@ -41,6 +41,7 @@ class Tensor:
     std: float = 1.0
     lo: float = 0.0
     hi: float = 1.0
+    axes: tuple = ()  # logical axis name per dim (dsv41_jax.sharding); () = unsharded everywhere
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,11 @@ class Leaf:
     dtype: object
     role: str  # weight / scale / engram_table
     logical_size: int
+    axes: tuple = ()  # logical axis names (a packed or block-scale leaf keeps its tensor's axes)
 
 
-def _lin(stack, out, inp, **kw):
-    return Tensor((*stack, out, inp), "lin", std=inp ** -0.5, **kw)
+def _lin(stack, out, inp, axes, **kw):
+    return Tensor((*stack, out, inp), "lin", std=inp ** -0.5, axes=axes, **kw)
 
 
 def source_slots(cfg: ModelConfig):
@@ -72,59 +74,68 @@ def source_slots(cfg: ModelConfig):
 
 
 def tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
+    """Every logical tensor with its shape, storage format, init and logical axes (see dsv41_jax.sharding)."""
     D, L, H, d = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.head_dim
     qL, G, oL, E, I = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_inter_dim
     M, hcD = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * D
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
-    s = (L,)
+    s, ls = (L,), ("layers",)
     t: dict[tuple, Tensor] = {
-        ("embed", "weight"): Tensor((cfg.vocab_size, D)),
-        ("norm", "weight"): Tensor((D,), init="ones", std=0.1),
-        ("head", "weight"): Tensor((cfg.vocab_size, D), dtype=F32, std=D ** -0.5),
-        ("layers", "attn_norm"): Tensor((*s, D), init="ones", std=0.1),
-        ("layers", "ffn_norm"): Tensor((*s, D), init="ones", std=0.1),
-        ("layers", "attn", "wq_a"): _lin(s, qL, D),
-        ("layers", "attn", "q_norm"): Tensor((*s, qL), init="ones", std=0.1),
-        ("layers", "attn", "wq_b"): _lin(s, H * d, qL),
-        ("layers", "attn", "wkv"): _lin(s, d, D),
-        ("layers", "attn", "kv_norm"): Tensor((*s, d), init="ones", std=0.1),
-        ("layers", "attn", "wo_a"): Tensor((*s, G * oL, H * d // G), std=(H * d // G) ** -0.5),
-        ("layers", "attn", "wo_b"): _lin(s, D, G * oL),
-        ("layers", "attn", "attn_sink"): Tensor((*s, H), dtype=F32),
-        ("layers", "ffn", "gate", "weight"): Tensor((*s, E, D), std=D ** -0.5),
-        ("layers", "ffn", "gate", "bias"): Tensor((*s, E), dtype=F32, std=0.1),
-        ("layers", "ffn", "experts", "w1"): Tensor((*s, E, I, D), "exp", std=D ** -0.5),
-        ("layers", "ffn", "experts", "w2"): Tensor((*s, E, D, I), "exp", std=I ** -0.5),
-        ("layers", "ffn", "experts", "w3"): Tensor((*s, E, I, D), "exp", std=D ** -0.5),
-        ("layers", "ffn", "shared", "w1"): _lin(s, I, D),
-        ("layers", "ffn", "shared", "w2"): _lin(s, D, I),
-        ("layers", "ffn", "shared", "w3"): _lin(s, I, D),
+        ("embed", "weight"): Tensor((cfg.vocab_size, D), axes=("vocab", "embed")),
+        ("norm", "weight"): Tensor((D,), init="ones", std=0.1, axes=("embed",)),
+        ("head", "weight"): Tensor((cfg.vocab_size, D), dtype=F32, std=D ** -0.5, axes=("vocab", "embed")),
+        ("layers", "attn_norm"): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
+        ("layers", "ffn_norm"): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
+        ("layers", "attn", "wq_a"): _lin(s, qL, D, (*ls, "q_lora", "embed")),
+        ("layers", "attn", "q_norm"): Tensor((*s, qL), init="ones", std=0.1, axes=(*ls, "q_lora")),
+        ("layers", "attn", "wq_b"): _lin(s, H * d, qL, (*ls, "q_heads", "q_lora")),
+        ("layers", "attn", "wkv"): _lin(s, d, D, (*ls, "kv_latent", "embed")),
+        ("layers", "attn", "kv_norm"): Tensor((*s, d), init="ones", std=0.1, axes=(*ls, "kv_latent")),
+        ("layers", "attn", "wo_a"): Tensor((*s, G * oL, H * d // G), std=(H * d // G) ** -0.5,
+                                           axes=(*ls, "o_groups", "o_group_in")),
+        ("layers", "attn", "wo_b"): _lin(s, D, G * oL, (*ls, "embed", "o_groups")),
+        ("layers", "attn", "attn_sink"): Tensor((*s, H), dtype=F32, axes=(*ls, "heads")),
+        ("layers", "ffn", "gate", "weight"): Tensor((*s, E, D), std=D ** -0.5, axes=(*ls, "router", "embed")),
+        ("layers", "ffn", "gate", "bias"): Tensor((*s, E), dtype=F32, std=0.1, axes=(*ls, "router")),
+        ("layers", "ffn", "experts", "w1"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
+                                                   axes=(*ls, "experts", "expert_inter", "embed")),
+        ("layers", "ffn", "experts", "w2"): Tensor((*s, E, D, I), "exp", std=I ** -0.5,
+                                                   axes=(*ls, "experts", "embed", "expert_inter")),
+        ("layers", "ffn", "experts", "w3"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
+                                                   axes=(*ls, "experts", "expert_inter", "embed")),
+        ("layers", "ffn", "shared", "w1"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
+        ("layers", "ffn", "shared", "w2"): _lin(s, D, I, (*ls, "embed", "expert_inter")),
+        ("layers", "ffn", "shared", "w3"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
     }
     for sub in ("attn", "ffn"):
-        t[("layers", f"hc_{sub}_fn")] = Tensor((*s, M, hcD), dtype=F32, std=hcD ** -0.5)
-        t[("layers", f"hc_{sub}_base")] = Tensor((*s, M), dtype=F32, std=0.5)
-        t[("layers", f"hc_{sub}_scale")] = Tensor((*s, 3), dtype=F32, init="uniform", lo=0.5, hi=1.0)
+        t[("layers", f"hc_{sub}_fn")] = Tensor((*s, M, hcD), dtype=F32, std=hcD ** -0.5,
+                                               axes=(*ls, "hc_mix", "hc_embed"))
+        t[("layers", f"hc_{sub}_base")] = Tensor((*s, M), dtype=F32, std=0.5, axes=(*ls, "hc_mix"))
+        t[("layers", f"hc_{sub}_scale")] = Tensor((*s, 3), dtype=F32, init="uniform", lo=0.5, hi=1.0,
+                                                  axes=(*ls, None))
     _, counts = source_slots(cfg)
     for key, n in counts.items():
         k = (n,)
         if key.startswith("src"):
             ratio = int(key[-1])
-            t[(key, "compressor", "wkv")] = Tensor((*k, d, D), std=D ** -0.5)
+            ks = ("kv_sources",)
+            t[(key, "compressor", "wkv")] = Tensor((*k, d, D), std=D ** -0.5, axes=(*ks, "kv_latent", "embed"))
             if ratio > 1:
-                t[(key, "compressor", "wgate")] = Tensor((*k, d, D), std=D ** -0.5)
-            t[(key, "compressor", "norm")] = Tensor((*k, d), init="ones", std=0.1)
-            t[(key, "indexer", "wk")] = Tensor((*k, di, d), std=d ** -0.5)
-            t[(key, "indexer", "k_norm")] = Tensor((*k, di), init="ones", std=0.1)
-        t[(key, "indexer", "wq_b")] = _lin(k, Hi * di, qL)
-        t[(key, "indexer", "weights_proj")] = Tensor((*k, Hi, D), std=D ** -0.5)
+                t[(key, "compressor", "wgate")] = Tensor((*k, d, D), std=D ** -0.5, axes=(*ks, "kv_latent", "embed"))
+            t[(key, "compressor", "norm")] = Tensor((*k, d), init="ones", std=0.1, axes=(*ks, "kv_latent"))
+            t[(key, "indexer", "wk")] = Tensor((*k, di, d), std=d ** -0.5, axes=(*ks, "index_dim", "kv_latent"))
+            t[(key, "indexer", "k_norm")] = Tensor((*k, di), init="ones", std=0.1, axes=(*ks, "index_dim"))
+        t[(key, "indexer", "wq_b")] = _lin(k, Hi * di, qL, ("index_sources", "index_heads", "q_lora"))
+        t[(key, "indexer", "weights_proj")] = Tensor((*k, Hi, D), std=D ** -0.5,
+                                                     axes=("index_sources", "index_head_weights", "embed"))
     lay = cfg.engram_layout
     if lay is not None:
         cols = lay.n_cols * lay.head_dim
         for i, rows in enumerate(cfg.engram_rows):
-            t[("engram", i, "embed")] = Tensor((rows, lay.head_dim), "table")
-            t[("engram", i, "wkv")] = _lin((), D * (cfg.hc_mult + 1), cols)
-            t[("engram", i, "q_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1)
-            t[("engram", i, "k_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1)
+            t[("engram", i, "embed")] = Tensor((rows, lay.head_dim), "table", axes=("engram_rows", None))
+            t[("engram", i, "wkv")] = _lin((), D * (cfg.hc_mult + 1), cols, ("engram_out", "engram_in"))
+            t[("engram", i, "q_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1, axes=("hc", "embed"))
+            t[("engram", i, "k_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1, axes=("hc", "embed"))
     return t
 
 
@@ -132,23 +143,24 @@ def leaves_of(cfg: ModelConfig, path: tuple, t: Tensor) -> dict[tuple, Leaf]:
     n = 1
     for x in t.shape:
         n *= x
+    ax = t.axes
     fp8 = cfg.weight_format == "fp8"
     *lead, out, inp = t.shape if len(t.shape) >= 2 else (None, *t.shape)
     if t.fmt == "lin" and fp8:
         sc = (*lead, -(-out // 32), -(-inp // 32))
-        return {path + ("weight",): Leaf(t.shape, jnp.float8_e4m3fn, "weight", n),
-                path + ("scale",): Leaf(sc, jnp.float8_e8m0fnu, "scale", 0)}
+        return {path + ("weight",): Leaf(t.shape, jnp.float8_e4m3fn, "weight", n, ax),
+                path + ("scale",): Leaf(sc, jnp.float8_e8m0fnu, "scale", 0, ax)}
     if t.fmt == "exp" and fp8:
-        return {path + ("weight",): Leaf((*lead, out, inp // 2), jnp.uint8, "weight", n),
-                path + ("scale",): Leaf((*lead, out, inp // 32), jnp.float8_e8m0fnu, "scale", 0)}
+        return {path + ("weight",): Leaf((*lead, out, inp // 2), jnp.uint8, "weight", n, ax),
+                path + ("scale",): Leaf((*lead, out, inp // 32), jnp.float8_e8m0fnu, "scale", 0, ax)}
     if t.fmt == "table":
         if fp8:
-            return {path + ("weight",): Leaf(t.shape, jnp.float8_e4m3fn, "engram_table", n),
-                    path + ("scale",): Leaf((*lead, out, inp // 32), jnp.float8_e8m0fnu, "scale", 0)}
-        return {path + ("weight",): Leaf(t.shape, BF16, "engram_table", n)}
+            return {path + ("weight",): Leaf(t.shape, jnp.float8_e4m3fn, "engram_table", n, ax),
+                    path + ("scale",): Leaf((*lead, out, inp // 32), jnp.float8_e8m0fnu, "scale", 0, ax)}
+        return {path + ("weight",): Leaf(t.shape, BF16, "engram_table", n, ax)}
     if t.fmt in ("lin", "exp"):
-        return {path + ("weight",): Leaf(t.shape, BF16, "weight", n)}
-    return {path: Leaf(t.shape, t.dtype, "weight", n)}
+        return {path + ("weight",): Leaf(t.shape, BF16, "weight", n, ax)}
+    return {path: Leaf(t.shape, t.dtype, "weight", n, ax)}
 
 
 def param_specs(cfg: ModelConfig) -> dict[tuple, Leaf]:
@@ -218,6 +230,20 @@ def abstract_params(cfg: ModelConfig) -> dict:
     for path, leaf in param_specs(cfg).items():
         _set(tree, path, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     return _to_lists(tree)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """The parameter tree with each leaf's logical axes (a tuple of names / None, one per dim) as the leaf:
+    what `DSV41` attaches to its nnx.Params and what the checkpoint code maps onto a mesh."""
+    tree: dict = {}
+    for path, leaf in param_specs(cfg).items():
+        _set(tree, path, AxisNames(leaf.axes))
+    return _to_lists(tree)
+
+
+class AxisNames(tuple):
+    """A leaf's logical axis names. An (unregistered) tuple subclass, which JAX treats as a leaf, so the axes
+    tree lines up leaf-for-leaf with the parameter tree in jax.tree.map."""
 
 
 # ----------------------------------------------------------------------------- weight access

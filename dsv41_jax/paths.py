@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
-from dsv41_jax.model import init_state, step, step_args
+from dsv41_jax.model import ChunkInputs, init_state, step
 
 
 @dataclass
@@ -55,13 +56,42 @@ def empty_state(cfg: ModelConfig, batch: int, max_len: int | None = None) -> Dec
     return DecodeState(init_state(cfg, batch, max_len), z, z.copy(), z.copy(), hist)
 
 
-def forward(cfg: ModelConfig, params, tokens, *, forced_topk=None, return_topk=False, hasher=None):
-    """(a) logits [B,T,V] f32 at every position (and the index-source top-k per layer if asked)."""
-    tokens = np.asarray(tokens, np.int32)
+def engram_ids(cfg: ModelConfig, tokens, history=None, hasher=None):
+    """Engram table rows [B, T, n_engram_layers, n_cols] int32 for concrete token ids [B, T], computed on the
+    host (int64 hashing, as the reference); None when the model has no Engram layer. `history` holds the
+    compressed ids of the tokens before the chunk (see EngramHasher.hash_ids)."""
+    h = _hasher(cfg, hasher)
+    if h is None:
+        return None
+    return jnp.asarray(h.hash_ids(np.asarray(tokens, np.int32), history))
+
+
+_host_engram_ids = engram_ids  # `forward` has a parameter of that name
+
+
+def _concrete(tokens):
+    try:
+        return np.asarray(tokens, np.int32)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def forward(cfg: ModelConfig, params, tokens, *, engram_ids=None, forced_topk=None, return_topk=False,
+            hasher=None):
+    """(a) logits [B,T,V] f32 at every position (and the index-source top-k per layer if asked).
+
+    Traceable (jax.jit / nnx.jit) when the Engram rows are given: `engram_ids=paths.engram_ids(cfg, tokens)`
+    computed outside the trace (they depend on token ids only); with concrete tokens they are computed here."""
+    host = _concrete(tokens)
+    if engram_ids is None and cfg.engram_layer_ids:
+        if host is None:
+            raise TypeError("forward() under a trace needs engram_ids: compute them outside with "
+                            "dsv41_jax.paths.engram_ids(cfg, tokens) and pass engram_ids=...")
+        engram_ids = _host_engram_ids(cfg, host, hasher=hasher)
+    tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
-    ids, _ = _ids(cfg, hasher, tokens, None)
     state = init_state(cfg, B, max_len=T)
-    logits, _, rec = step(cfg, params, state, jnp.asarray(tokens), ids, **step_args(B), forced_topk=forced_topk,
+    logits, _, rec = step(cfg, params, state, ChunkInputs.make(tokens, engram_ids), forced_topk=forced_topk,
                           fresh=True, n_dec=T, n_logits=T)
     return (logits, rec) if return_topk else logits
 
@@ -92,9 +122,9 @@ def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bo
     ec = ds.enc_clip if enc_clip is None else np.broadcast_to(np.asarray(enc_clip, np.int32), (B,))
     dec_clip = ds.pos + (T - n_dec) if n_dec < T else ec
     wf = 0 if write_from is None else write_from
-    logits, arrays, rec = step(cfg, params, ds.arrays, jnp.asarray(tokens), ids,
-                               **step_args(B, ds.pos, ec, dec_clip, wf), forced_topk=forced_topk,
-                               fresh=fresh, n_dec=n_dec, n_logits=n_logits)
+    inp = ChunkInputs.make(tokens, ids, pos0=ds.pos, enc_clip=ec, dec_clip=dec_clip, write_from=wf)
+    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=fresh, n_dec=n_dec,
+                               n_logits=n_logits)
     ds = DecodeState(arrays, ds.pos + T, np.asarray(ec, np.int32), np.asarray(dec_clip, np.int32), hist)
     return logits, ds, rec
 
@@ -112,11 +142,10 @@ def decode_step(cfg: ModelConfig, params, ds: DecodeState, token, *, forced_topk
                 hasher=None):
     """(c) one token per sequence: returns (logits [B,V], new state[, topk])."""
     tok = np.asarray(token, np.int32).reshape(-1, 1)
-    B = tok.shape[0]
     ids, hist = _ids(cfg, hasher, tok, ds.history)
-    logits, arrays, rec = step(cfg, params, ds.arrays, jnp.asarray(tok), ids,
-                               **step_args(B, ds.pos, ds.enc_clip, ds.dec_clip, 0), forced_topk=forced_topk,
-                               fresh=False, n_dec=1, n_logits=1)
+    inp = ChunkInputs.make(tok, ids, pos0=ds.pos, enc_clip=ds.enc_clip, dec_clip=ds.dec_clip)
+    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=False, n_dec=1,
+                               n_logits=1)
     ds = replace(ds, arrays=arrays, pos=ds.pos + 1, history=hist)
     return (logits[:, 0], ds, rec) if return_topk else (logits[:, 0], ds)
 

@@ -164,7 +164,7 @@ def build(a: argparse.Namespace):
     if cache:  # before the weights: init/convert programs are cached too
         os.makedirs(cache, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
     if is_preset:  # validate the flags before any expensive work
         engine_args(a, ModelConfig.preset(a.model).max_seq_len, on_cpu).resolved(ModelConfig.preset(a.model))
     t0 = time.perf_counter()

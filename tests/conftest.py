@@ -10,6 +10,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dsv41_jax  # noqa: E402,F401  (sets XLA flags before JAX starts its backend)
+from serving.api.testing import shared_cache_dir  # noqa: E402
+
+# One persistent compilation cache for the whole test process (JAX keeps one per process): engines built with
+# the same shapes in different tests, a "restarted" engine, and the servers' subprocesses reuse programs.
+os.makedirs(shared_cache_dir(), exist_ok=True)
+jax.config.update("jax_compilation_cache_dir", shared_cache_dir())
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
 from dsv41_jax.config import ModelConfig  # noqa: E402
 from dsv41_jax.params import init_params  # noqa: E402
 

@@ -203,7 +203,11 @@ def test_no_compilation_after_warmup(eng):
     finally:
         jax.monitoring.clear_event_listeners()
     assert events == []
-    assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == 9
+    # bounded replay: per prefill bucket a chunk program without and one with the decoder (+ prompt logprobs),
+    # and one decode program per batch bucket
+    a = eng.args
+    expected = len(a.prefill_buckets) * (2 + int(a.enable_prompt_logprobs)) + len(a.decode_buckets)
+    assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == expected
 
 
 def test_prompt_logprobs_equal_full_forward(eng, tiny, tiny_params):
@@ -223,3 +227,83 @@ def test_prompt_logprobs_equal_full_forward(eng, tiny, tiny_params):
     np.testing.assert_allclose(got, want, atol=2e-3)
     top = max(plp[10].items(), key=lambda kv: kv[1])
     assert top[0] == int(ref[9].argmax())
+
+
+def _sampled(engine, prompts_, n=6, **sp):
+    outs = {}
+    for i, p in enumerate(prompts_):
+        rid = f"seed-{np.random.randint(1 << 30)}-{i}"  # random ids: the outputs must not depend on them
+        outs[i] = rid
+        engine.add_request(rid, p, SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True, **sp))
+    got = {}
+    for o in engine.run_until_done():
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [got[outs[i]] for i in range(len(prompts_))]
+
+
+def test_unseeded_requests_reproduce_after_a_restart_with_the_same_seed(tiny, tiny_params):
+    """--seed drives the seeds of unseeded requests in arrival order (as vLLM): a restarted engine with the same
+    seed gives the same outputs for the same sequence of requests; another seed does not."""
+    from serving.api.testing import SMALL_ENGINE_ARGS
+
+    ps = prompts(11, [20, 45, 70])
+
+    def fresh(seed):  # the API test server's shapes: its programs come from the persistent compilation cache
+        return Engine(tiny, EngineArgs(**SMALL_ENGINE_ARGS, seed=seed), params=tiny_params, progress=False)
+
+    a = _sampled(fresh(5), ps)
+    b = _sampled(fresh(5), ps)
+    c = _sampled(fresh(6), ps)
+    assert a == b
+    assert a != c
+    assert len({tuple(x) for x in a}) == 3  # the three requests got different seeds
+
+
+def test_a_failed_call_that_lost_the_pools_fails_only_its_request(eng_exact):
+    """Inject a failure into the prefill program after it consumed (donated) the device pools: the request it
+    carried fails with an error, the decoding request is recomputed on rebuilt pools and finishes exactly as
+    in a clean run, and the engine serves the failed prompt normally afterwards."""
+    p1, p2 = prompts(12, [70, 90])
+    clean1 = run(eng_exact, [p1], salt="f-clean", n=10)[0]
+    clean2 = run(eng_exact, [p2], salt="f-clean2", n=4)[0]
+    runner = eng_exact.runner
+    originals = dict(runner.programs)
+    calls = []
+
+    def poisoned(key):
+        def fn(params, pools, inp):
+            calls.append(key)
+            runner.programs.update(originals)  # fail once
+            for v in pools.values():
+                v.delete()  # what a donated call that then fails leaves behind
+            raise RuntimeError("injected device failure")
+        return fn
+
+    outs = {}
+
+    def cb(o):
+        outs.setdefault(o.request_id, []).append(o)
+
+    eng_exact.add_request("f1", p1, SamplingParams(max_tokens=10, **GREEDY), cache_salt="f1", callback=cb)
+    while not any(o.new_token_ids for o in outs.get("f1", [])):
+        eng_exact.step()
+    for key in originals:
+        if key.kind == "prefill":
+            runner.programs[key] = poisoned(key)
+    eng_exact.add_request("f2", p2, SamplingParams(max_tokens=4, **GREEDY), cache_salt="f2", callback=cb)
+    try:
+        eng_exact.run_until_done()
+    finally:
+        runner.programs.update(originals)
+    assert calls, "the failure was not injected"
+    f2 = outs["f2"][-1]
+    assert f2.finished and f2.finish_reason == "abort" and "injected device failure" in f2.error
+    f1_ids = [t for o in outs["f1"] for t in o.new_token_ids]
+    f1_lps = [d[t] for o in outs["f1"] for d, t in zip(o.new_logprobs or [], o.new_token_ids)]
+    assert outs["f1"][-1].error is None and outs["f1"][-1].finish_reason == "length"
+    assert f1_ids == clean1["ids"]
+    np.testing.assert_allclose(f1_lps, clean1["lps"], atol=1e-4)
+    assert eng_exact.metrics.snapshot()["counters"]["preemptions"] >= 1  # f1 was recomputed
+    again = run(eng_exact, [p2], salt="f-again", n=4)[0]
+    assert again["ids"] == clean2["ids"]
+    eng_exact.pool.check()

@@ -15,16 +15,8 @@ MAX_ID_LEN = 512
 
 
 def engine_stats(engine) -> dict:
-    """Runs on the engine thread (EngineClient.call): page pool and queue state plus the metric counters."""
-    pool = engine.pool
-    referenced = int((pool.ref[1:] > 0).sum())
-    return {
-        "pages": {"total": pool.num_pages - 1, "free": pool.num_free(), "referenced": referenced,
-                  "cached": len(pool.hash_of)},
-        "requests": {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                     "tracked": len(engine.requests)},
-        "metrics": engine.metrics.snapshot(),
-    }
+    """Runs on the engine thread (EngineClient.call): the engine's public statistics."""
+    return engine.stats()
 
 
 @dataclass

@@ -202,7 +202,7 @@ class EngineLoop:
                 return
             if out.finished:
                 del self._sinks[out.request_id]
-            if getattr(out, "error", None):
+            if out.error:
                 self._sinks.pop(out.request_id, None)
                 self._safe_abort(out.request_id)
                 sink.put(EngineError(f"request {out.request_id} failed: {out.error}"))
@@ -227,18 +227,14 @@ class EngineLoop:
             sink.put(err)
 
     def _victims(self) -> list[str]:
-        sched = getattr(self.engine, "scheduler", None)
-        scheduled = getattr(self.engine, "last_step_ids", None)
-        if scheduled:  # the failure came while running these
-            return list(scheduled)
-        waiting = list(getattr(sched, "waiting", []))
-        if scheduled is None and waiting:  # raised while scheduling: most likely admitting the head
-            return [waiting[0].request_id]
-        return [r.request_id for r in getattr(sched, "running", [])] or list(self._sinks)
+        view = self.engine.inspect()
+        if view.step_requests:  # the failure came while running (or collecting) these
+            return list(view.step_requests)
+        if view.step_requests is None and view.waiting:  # raised while scheduling: most likely admitting the head
+            return [view.waiting[0]]
+        return list(view.running) or list(self._sinks)
 
     def _step(self):
-        if hasattr(self.engine, "last_step_ids"):
-            self.engine.last_step_ids = None  # not known until this step has scheduled
         try:
             self.engine.step()
             self.steps += 1

@@ -58,7 +58,7 @@ class ApiServer:
         self.engine_loop = EngineLoop(engine)
         self.client = EngineClient(self.engine_loop)
         name = config.served_model_name or engine.cfg.name
-        engine.metrics.model_name = name  # label the engine's metrics with the served name
+        engine.set_served_model_name(name)  # label the engine's metrics with the served name
         max_bytes = config.max_request_bytes or max(1 << 20, 32 * engine.args.max_model_len)
         self.ctx = ServerContext(self.client, ChatTemplate(engine.tokenizer, config.chat_template),
                                  ApiMetrics(name, engine.args.max_model_len), name, set(config.aliases) - {name},

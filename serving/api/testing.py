@@ -194,7 +194,7 @@ def shared_test_server() -> BackgroundServer:
             os.makedirs(cache, exist_ok=True)
             # before the weights, so their init program is cached too (JAX keeps one persistent cache per process)
             jax.config.update("jax_compilation_cache_dir", cache)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
             cfg, params = load_model("tiny")
             engine = Engine(cfg, EngineArgs(**SMALL_ENGINE_ARGS, compilation_cache_dir=cache), params=params,
                             progress=False)

@@ -9,19 +9,21 @@ import hashlib
 
 import numpy as np
 
-BLOCK = 64
+from dsv41_jax.kv_format import PAGE_TOKENS
+
+BLOCK = PAGE_TOKENS  # one prefix-cache block per global-KV page
 _ROOT = hashlib.sha256(b"dsv41-prefix-root").digest()
 
 
-def block_hashes(tokens, cache_salt: str | None = None, start: int = 0, parents: list[bytes] | None = None,
+def block_hashes(tokens, cache_salt: str | None = None, parents: list[bytes] | None = None,
                  block: int = BLOCK) -> list[bytes]:
-    """Hashes of full blocks, continuing from `parents` (the hashes already computed for the prefix)."""
+    """Hashes of full blocks, continuing from `parents` (the hashes already computed for the prefix); only the
+    new blocks' tokens are read."""
     out = list(parents or [])
-    toks = np.asarray(tokens, dtype=np.int64)
     i = len(out)
-    while (i + 1) * block <= len(toks):
+    while (i + 1) * block <= len(tokens):
         h = hashlib.sha256(out[-1] if out else _ROOT)
-        h.update(toks[i * block:(i + 1) * block].tobytes())
+        h.update(np.asarray(tokens[i * block:(i + 1) * block], dtype=np.int64).tobytes())
         if i == 0 and cache_salt:
             h.update(b"salt:" + cache_salt.encode())
         out.append(h.digest())

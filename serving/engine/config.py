@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsv41_jax.kv_format import pages_for
+from dsv41_jax.ops import check_kernels
+
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
@@ -52,8 +55,7 @@ class EngineArgs:
             raise ValueError("max_num_seqs must be >= 1")
         if a.execution not in ("compiled", "eager"):
             raise ValueError(f"--execution must be compiled or eager, got {a.execution!r}")
-        if a.kernels not in ("xla", "pallas"):
-            raise ValueError(f"--kernels must be xla or pallas, got {a.kernels!r}")
+        check_kernels(a.kernels)  # names the ops without a Pallas version; never a silent fallback
         if a.tensor_parallel_size != 1 or a.data_parallel_size != 1 or a.enable_expert_parallel:
             raise ValueError("tensor/data/expert parallelism is not available in this build (single device)")
         if not a.prefill_buckets:
@@ -66,7 +68,7 @@ class EngineArgs:
         a.decode_buckets = tuple(sorted(set(a.decode_buckets)))
         if a.decode_buckets[-1] < a.max_num_seqs:
             raise ValueError("the largest decode bucket must cover max_num_seqs")
-        pages_per_seq = -(-a.max_model_len // 64)
+        pages_per_seq = pages_for(a.max_model_len)
         if not a.num_pages:
             a.num_pages = 1 + 2 * a.max_num_seqs * pages_per_seq
         if a.num_pages < 1 + pages_per_seq:

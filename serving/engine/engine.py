@@ -2,26 +2,54 @@
 
 One thread drives `step()`; `add_request` and `abort` may be called between steps (the API servers call
 them from the same thread through a queue). Bad input raises ValueError (or QueueFull) before anything
-reaches the scheduler, so a bad request never disturbs the others.
+reaches the scheduler, so a bad request never disturbs the others. The API reads engine state only through
+`stats()` and `inspect()`.
+
+A step, pipelined so the host overlaps the device:
+1. collect the previous step's sampled tokens (one packed device-to-host copy per program, started right after
+   its dispatch): append them, check stop ids / strings / lengths (finished requests release their pages);
+2. schedule the next step (chunk plans) and dispatch it: the decode batch first, then the prefill chunks, so
+   preparing the chunks' inputs on the host overlaps the decode on the device;
+3. while the device runs it, emit the outputs collected in 1 (incremental detokenization, callbacks).
+`step()` therefore returns the outputs of the step dispatched by the previous call; `has_unfinished()` counts
+a dispatched step until it is collected.
+
+Seeds: a request without a seed gets one drawn from a generator seeded by `--seed`, in arrival order, so the
+same sequence of requests after a restart gives the same outputs (as vLLM).
+
+Failures: a program call that raises fails only the requests it carried (their final output has `error`).
+If the failure consumed the donated device pools (or left them in an error state), the runner rebuilds them,
+the prefix cache and snapshots are dropped (their bytes are gone), and every other running request is
+preempted and recomputed from its tokens: no later step reads poisoned state.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.kv_format import pages_for
 from serving.engine.block_hash import BLOCK
+from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
+from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
+from serving.engine.request import FINISHED, Request
 from serving.engine.runner import Runner
-from serving.engine.scheduler import FINISHED, Request, Scheduler
+from serving.engine.scheduler import Scheduler
 from serving.engine.snapshots import SnapshotIndex
+from serving.engine.step_io import DECODE, PendingOutputs, ProgramKey, StepOutputs
 from serving.engine.types import RequestOutput, SamplingParams
+
+log = logging.getLogger("serving.engine")
 
 
 class QueueFull(RuntimeError):
@@ -41,15 +69,38 @@ def load_model(model, seed: int = 0, weight_format: str | None = None):
     return cfg, checkpoints.random_init(cfg, seed)
 
 
+@dataclass
+class _Call:
+    """One dispatched program call and the plans it carried."""
+    plans: list[ChunkPlan]
+    pending: PendingOutputs | None
+
+
+@dataclass
+class _InFlight:
+    calls: list[_Call] = field(default_factory=list)
+
+    def requests(self) -> list[Request]:
+        return [p.req for c in self.calls for p in c.plans]
+
+
+@dataclass(frozen=True)
+class EngineInspect:
+    """A consistent view of the engine's queues (read on the engine thread)."""
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    step_requests: tuple[str, ...] | None  # requests of the step being built/run (None: not scheduled yet)
+
+
 class Engine:
     def __init__(self, model="tiny", args: EngineArgs | None = None, *, params=None, tokenizer=None,
-                 token_map=None, progress: bool = True, **engine_kw):
+                 token_map=None, progress: bool = True, served_model_name: str | None = None, programs=None,
+                 **engine_kw):
+        """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used."""
         args = args or EngineArgs(**engine_kw)
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
-            import jax
-
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
         if params is None:
             cfg, params = load_model(model, args.seed)
         else:
@@ -65,18 +116,21 @@ class Engine:
         if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = {tokenizer.eos_token_id}
         self.eos_ids = eos
-        self.metrics = Metrics()
+        self.metrics = Metrics(served_model_name or cfg.name)
         self.pool = PagePool(self.args.num_pages, self.args.enable_prefix_caching, self.args.session_ttl_s)
         self.snapshots = None if self.args.swa_bounded_replay else SnapshotIndex(self.args.snapshot_slots)
-        self.max_pages = -(-self.args.max_model_len // BLOCK)
+        self.max_pages = pages_for(self.args.max_model_len)
         self.runner = Runner(cfg, params, self.args, self.max_pages)
-        self.warmup_s = self.runner.compile_all(progress)
+        self.warmup_s = self.runner.compile_all(progress, keep=programs)
         self.metrics.set("compiled_programs", self.runner.compile_count)
         self.metrics.set("snapshot_bytes", sum(v for k, v in self.runner.pool_bytes().items() if k.startswith("snap")))
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
         self.scheduler = Scheduler(self.args, self.pool, cfg.window_size, self.snapshots, self.metrics)
         self.requests: dict[str, Request] = {}
-        self.last_step_ids: list[str] | None = None  # requests the current step scheduled (None: not known yet)
+        self._seeds = np.random.default_rng(self.args.seed)
+        self._inflight: _InFlight | None = None
+        self._step_requests: list[str] | None = None
+        self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
@@ -102,13 +156,21 @@ class Engine:
                              f"{len(ids)} prompt tokens and max_tokens={sp.max_tokens}")
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are already queued")
-        req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback)
+        # every accepted request draws from the seed stream (arrival order), seeded or not
+        drawn = int(self._seeds.integers(0, 2 ** 32))
+        seed = (sp.seed if sp.seed is not None else drawn) & 0xFFFFFFFF
+        req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback,
+                      seed=seed)
+        special = set(sp.stop_token_ids) | (self.eos_ids if not sp.ignore_eos else set())
+        req.out.detok = IncrementalDetokenizer(self.tokenizer, skip_ids=special, stop=sp.stop,
+                                               include_stop=sp.include_stop_str_in_output)
         self.requests[request_id] = req
         self.metrics.inc("prompt_tokens", len(ids))
         if sp.max_tokens == 0 and sp.prompt_logprobs is None:
             self._finish(req, "length", emit=True)
             return
         self.scheduler.waiting.append(req)
+        self._update_gauges()
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -119,30 +181,46 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting or self._inflight is not None)
+
+    # ------------------------------------------------------------------ public state (for the API)
+    def set_served_model_name(self, name: str):
+        """The model name that labels the engine's Prometheus metrics."""
+        self.metrics.model_name = name
+
+    def inspect(self) -> EngineInspect:
+        return EngineInspect(tuple(r.request_id for r in self.scheduler.running),
+                             tuple(r.request_id for r in self.scheduler.waiting),
+                             None if self._step_requests is None else tuple(self._step_requests))
+
+    def stats(self) -> dict:
+        """Page pool, queue and metric state (JSON-serialisable)."""
+        pool = self.pool
+        return {
+            "pages": {"total": pool.num_pages - 1, "free": pool.num_free(),
+                      "referenced": int((pool.ref[1:] > 0).sum()), "cached": len(pool.hash_of)},
+            "requests": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                         "tracked": len(self.requests)},
+            "metrics": self.metrics.snapshot(),
+        }
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step. A failure while running a request's chunk fails only the requests of
-        that program call (their final output carries `error`); the others continue."""
-        self.last_step_ids = None
-        sched = self.scheduler.schedule()
-        self.last_step_ids = [s.req.request_id for s in sched]
-        touched = []
-        for s in sched:
-            if s.req.restore_snapshot is not None:
-                self.runner.run(("snap", 1, "load"), np.int32(s.req.restore_snapshot), np.int32(s.req.slot))
-                s.req.restore_snapshot = None
-        pre = [s for s in sched if s.req.in_prefill]
-        dec = [s for s in sched if not s.req.in_prefill]
-        for s in pre:
-            self._guarded(self._run_prefill, s, [s.req])
-            touched.append(s.req)
-        if dec:
-            self._guarded(self._run_decode, dec, [s.req for s in dec])
-            touched += [s.req for s in dec]
-        outs = []
-        seen = set()
+        """Collect the step in flight, dispatch the next one, emit the collected outputs (module docstring).
+        A failing program call fails only the requests it carried."""
+        t0 = time.perf_counter()
+        touched: list[Request] = []
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._step_requests = [r.request_id for r in inflight.requests()]
+            touched += self._collect(inflight)
+        self._step_requests = None  # scheduling: not known yet
+        plans = self.scheduler.schedule()
+        self._step_requests = [p.req.request_id for p in plans]
+        if plans:
+            self._inflight = self._dispatch(plans)
+            touched += [p.req for p in plans if not p.sample]  # non-sampling chunks: nothing to wait for
+        outs, seen = [], set()
         for req in touched:
             if req.request_id in seen:
                 continue
@@ -150,19 +228,89 @@ class Engine:
             o = self._emit(req)
             if o is not None:
                 outs.append(o)
+        self._update_gauges()
+        self.host_time["steps"] += 1
+        self.host_time["step_s"] += time.perf_counter() - t0
+        return outs
+
+    def _update_gauges(self):
         self.metrics.set("running", len(self.scheduler.running))
         self.metrics.set("waiting", len(self.scheduler.waiting))
         self.metrics.set("kv_usage", self.pool.usage())
-        return outs
 
-    def _guarded(self, fn, arg, reqs: list[Request]):
+    def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
+        inflight = _InFlight()
+        for p in plans:
+            s = p.req.sched
+            if s.restore_snapshot is not None:
+                self._guarded(inflight, [p], lambda s=s: self.runner.snapshot(False, s.restore_snapshot, s.slot))
+                s.restore_snapshot = None
+        decode = [p for p in plans if p.is_decode and p.req.status != FINISHED]
+        if decode:
+            self._guarded(inflight, decode, lambda: self._run_decode(decode))
+        for p in plans:
+            if not p.is_decode and p.req.status != FINISHED:
+                self._guarded(inflight, [p], lambda p=p: self._run_chunk(p))
+        return inflight
+
+    def _guarded(self, inflight: _InFlight, plans: list[ChunkPlan], fn):
         try:
-            fn(arg)
+            inflight.calls.append(_Call(plans, fn()))
         except Exception as e:  # noqa: BLE001 - isolate the failure to these requests
-            for r in reqs:
-                if r.status != FINISHED:
-                    r.error = f"{type(e).__name__}: {e}"
-                    self._finish(r, "abort")
+            self._fail([p.req for p in plans], e)
+
+    def _fail(self, reqs: list[Request], e: BaseException):
+        """Fail `reqs`; if the device pools did not survive, rebuild them and recompute everyone else."""
+        log.error("a program call failed for %s: %s: %s", [r.request_id for r in reqs], type(e).__name__, e)
+        for r in reqs:
+            if r.status != FINISHED:
+                r.out.error = f"{type(e).__name__}: {e}"
+                self._finish(r, "abort", emit=True)
+        if self._pools_healthy():
+            return
+        log.error("the device pools were lost: rebuilding them; running requests are recomputed")
+        self.runner.reset_pools()
+        self.pool.drop_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        for r in list(self.scheduler.running):
+            self.scheduler.preempt(r)
+
+    def _pools_healthy(self) -> bool:
+        if self.runner.pools_lost():
+            return False
+        try:
+            jax.block_until_ready(self.runner.pools)
+            return True
+        except Exception:  # noqa: BLE001 - an asynchronous failure left the buffers in an error state
+            return False
+
+    def _collect(self, inflight: _InFlight) -> list[Request]:
+        touched = []
+        for call in inflight.calls:
+            if call.pending is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                out = call.pending.get()
+            except Exception as e:  # noqa: BLE001 - an asynchronous device failure surfaced here
+                self._fail([p.req for p in call.plans], e)
+                continue
+            finally:
+                self.host_time["wait_s"] += time.perf_counter() - t0
+            for i, p in enumerate(call.plans):
+                req = p.req
+                touched.append(req)
+                if req.status == FINISHED:  # aborted while in flight
+                    continue
+                if p.all_logits:
+                    self._prompt_logprobs(req, p, out)
+                if p.sample:
+                    if req.sampling.max_tokens == 0:  # prompt logprobs only
+                        self._finish(req, "length")
+                    else:
+                        self._append(req, out, i)
+        return touched
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
         if self.hasher is None:
@@ -174,186 +322,142 @@ class Engine:
             hist[0, h - len(prev):] = self.hasher.compress(np.asarray(prev))
         return self.hasher.hash_ids(toks, hist)
 
-    def _samp(self, reqs: list[Request], B: int) -> dict:
-        f32, i32 = np.float32, np.int32
-        samp = {"temperature": np.zeros(B, f32), "top_k": np.full(B, -1, i32), "top_p": np.ones(B, f32),
-                "min_p": np.zeros(B, f32), "seed": np.zeros(B, np.uint32), "counter": np.zeros(B, i32)}
-        for i, r in enumerate(reqs):
-            sp = r.sampling
-            samp["temperature"][i] = sp.temperature
-            samp["top_k"][i] = sp.top_k
-            samp["top_p"][i] = sp.top_p
-            samp["min_p"][i] = sp.min_p
-            seed = sp.seed if sp.seed is not None else (hash((self.args.seed, r.request_id)) & 0xFFFFFFFF)
-            samp["seed"][i] = seed & 0xFFFFFFFF
-            samp["counter"][i] = r.counter
-        return samp
+    def _fill_row(self, inp, i: int, p: ChunkPlan):
+        """Row i of a program's inputs from a chunk plan."""
+        req, c, sm = p.req, inp.chunk, inp.sampling
+        inp.slots[i] = req.sched.slot
+        pages = req.sched.pages
+        inp.page_table[i, :len(pages)] = pages
+        c.tokens[i, :p.n] = req.tokens[p.pos0:p.end]
+        if c.engram_ids is not None:
+            c.engram_ids[i] = self._hash_ids(req, p.pos0, c.tokens[i:i + 1])[0]
+        c.pos0[i], c.n_valid[i] = p.pos0, p.n
+        c.enc_clip[i], c.dec_clip[i], c.write_from[i] = p.enc_clip, p.dec_clip, p.write_from
+        sp = req.sampling
+        sm.temperature[i], sm.top_k[i], sm.top_p[i], sm.min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        sm.seed[i], sm.counter[i] = req.seed, req.counter
+        if sm.next_ids is not None:
+            nxt = req.tokens[p.pos0 + 1:p.end + 1]
+            sm.next_ids[i, :len(nxt)] = nxt
 
-    def _table(self, req: Request) -> np.ndarray:
-        t = np.zeros(self.max_pages, np.int32)
-        t[:len(req.pages)] = req.pages
-        return t
+    def _advance(self, p: ChunkPlan):
+        """Host-side progress once a chunk is dispatched: positions, decoder clip, prefix-cache pages."""
+        s = p.req.sched
+        s.num_computed = p.end
+        s.dec_clip = p.dec_clip_after(self.cfg.window_size)
+        self._publish(p.req)
 
-    def _run_prefill(self, s):
-        req, n = s.req, s.n
-        T = self.runner.bucket("prefill", n)
-        plp = req.sampling.prompt_logprobs is not None
-        if plp:
-            mode = "plp"
-        elif self.args.swa_bounded_replay:
-            mode = "win" if s.final else "none"
-        else:
-            mode = "all+sample" if s.final else "all"
-        pos0 = req.num_computed
-        toks = np.zeros((1, T), np.int32)
-        toks[0, :n] = req.tokens[pos0:pos0 + n]
-        ids = self._hash_ids(req, pos0, toks)
-        i1 = lambda v: np.asarray([v], np.int32)  # noqa: E731
-        trim = self.args.swa_bounded_replay and s.final and not plp
-        dec_clip = max(req.dec_clip, pos0 + n - self.cfg.window_size) if trim else req.dec_clip
-        samp = self._samp([req], 1)
-        if plp:
-            nxt = req.tokens[pos0 + 1:pos0 + n + 1]
-            samp["next_ids"] = np.zeros((1, T), np.int32)
-            samp["next_ids"][0, :len(nxt)] = nxt
-        res = self.runner.run(("prefill", T, mode), i1(req.slot), self._table(req)[None], toks, ids, i1(pos0), i1(n),
-                              i1(req.enc_clip), i1(dec_clip), i1(req.write_from), samp)
-        req.num_computed += n
-        if trim:
-            req.dec_clip = max(req.num_computed - self.cfg.window_size, 0)
-        self._publish(req)
-        if plp:
-            self._prompt_logprobs(req, pos0, n, res)
-        if s.final:
-            if req.sampling.max_tokens == 0:
-                self._finish(req, "length")
-            else:
-                self._append(req, res, 0)
+    def _run_chunk(self, p: ChunkPlan) -> PendingOutputs | None:
+        key = self.runner.program_for_chunk(p)
+        inp = self.runner.inputs(key)
+        self._fill_row(inp, 0, p)
+        pending = self.runner.run(key, inp)
+        self._advance(p)
+        return pending
 
-    def _prompt_logprobs(self, req: Request, pos0: int, n: int, res):
-        nxt, top_ids, top_lps = (np.asarray(x)[0] for x in res[4:])
-        if not req.prompt_lps:
-            req.prompt_lps.append(None)
+    def _run_decode(self, plans: list[ChunkPlan]) -> PendingOutputs | None:
+        key = ProgramKey(DECODE, self.runner.bucket(DECODE, len(plans)))
+        inp = self.runner.inputs(key)
+        for i, p in enumerate(plans):
+            self._fill_row(inp, i, p)
+        pending = self.runner.run(key, inp)
+        for p in plans:
+            self._advance(p)
+        return pending
+
+    def _prompt_logprobs(self, req: Request, p: ChunkPlan, out: StepOutputs):
+        nxt, top_ids, top_lps = out.prompt_next_logprob[0], out.prompt_top_ids[0], out.prompt_top_logprobs[0]
+        lps = req.out.prompt_lps
+        if not lps:
+            lps.append(None)
         k = req.sampling.prompt_logprobs
-        for i in range(n):
-            p = pos0 + i + 1
-            if p >= req.n_prompt or p < len(req.prompt_lps):
+        for i in range(p.n):
+            pos = p.pos0 + i + 1
+            if pos >= req.n_prompt or pos < len(lps):
                 continue
-            d = {req.tokens[p]: float(nxt[i])}
+            d = {req.tokens[pos]: float(nxt[i])}
             for j in range(k):
                 d.setdefault(int(top_ids[i, j]), float(top_lps[i, j]))
-            req.prompt_lps.append(d)
-
-    def _run_decode(self, dec):
-        reqs = [s.req for s in dec]
-        B = self.runner.bucket("decode", len(reqs))
-        S = self.args.max_num_seqs
-        slots = np.full(B, S, np.int32)
-        table = np.zeros((B, self.max_pages), np.int32)
-        toks = np.zeros((B, 1), np.int32)
-        pos0, n_valid = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        enc, dclip, wf = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        ids = None
-        if self.hasher is not None:
-            ids = np.zeros((B, 1, len(self.cfg.engram_layer_ids), self.runner.n_cols), np.int32)
-        for i, r in enumerate(reqs):
-            p = r.num_computed
-            slots[i], table[i], toks[i, 0], pos0[i], n_valid[i] = r.slot, self._table(r), r.tokens[p], p, 1
-            enc[i], dclip[i], wf[i] = r.enc_clip, r.dec_clip, r.write_from
-            if ids is not None:
-                ids[i] = self._hash_ids(r, p, toks[i:i + 1])[0]
-        res = self.runner.run(("decode", B, "one"), slots, table, toks, ids, pos0, n_valid, enc, dclip, wf,
-                              self._samp(reqs, B))
-        res = [np.asarray(x) for x in res]
-        for i, r in enumerate(reqs):
-            r.num_computed += 1
-            self._publish(r)
-            self._append(r, res, i)
+            lps.append(d)
 
     def _publish(self, req: Request):
         """Register newly completed pages in the prefix cache; save exact-mode snapshots at boundaries."""
-        full = min(req.num_computed // BLOCK, len(req.hashes), len(req.pages))
-        for j in range(req.registered, full):
-            self.pool.register(req.pages[j], req.hashes[j])
-        req.registered = max(req.registered, full)
-        if self.snapshots is not None and req.num_computed in req.boundaries:
-            k = req.num_computed // BLOCK
-            slot = self.snapshots.claim(req.hashes[k - 1])
+        s = req.sched
+        full = min(s.num_computed // BLOCK, len(s.hashes), len(s.pages))
+        for j in range(s.registered, full):
+            self.pool.register(s.pages[j], s.hashes[j])
+        s.registered = max(s.registered, full)
+        if self.snapshots is not None and s.num_computed in s.boundaries:
+            k = s.num_computed // BLOCK
+            slot = self.snapshots.claim(s.hashes[k - 1])
             if slot is not None:
-                self.runner.run(("snap", 1, "save"), np.int32(req.slot), np.int32(slot))
+                self.runner.snapshot(True, s.slot, slot)
 
-    def _append(self, req: Request, res, i: int):
-        tok, tok_lp, top_ids, top_lps = (np.asarray(x) for x in res[:4])
-        t = int(tok[i])
+    def _append(self, req: Request, out: StepOutputs, i: int):
+        t = int(out.tokens[i])
         now = time.perf_counter()
+        o = req.out
         req.tokens.append(t)
-        req.out_ids.append(t)
+        o.out_ids.append(t)
         req.counter += 1
-        req.refresh_hashes()
+        if len(req.tokens) // BLOCK > len(req.sched.hashes):
+            req.refresh_hashes()
         if req.sampling.logprobs is not None:
-            d = {t: float(tok_lp[i])}
+            d = {t: float(out.token_logprob[i])}
             for j in range(req.sampling.logprobs):
-                d.setdefault(int(top_ids[i, j]), float(top_lps[i, j]))
-            req.out_logprobs.append(d)
-        if req.first_token_t is None:
-            req.first_token_t = now
+                d.setdefault(int(out.top_ids[i, j]), float(out.top_logprobs[i, j]))
+            o.out_logprobs.append(d)
+        if o.first_token_t is None:
+            o.first_token_t = now
             self.metrics.observe("ttft", now - req.arrival)
         else:
-            self.metrics.observe("itl", now - req.last_token_t)
-        req.last_token_t = now
+            self.metrics.observe("itl", now - o.last_token_t)
+        o.last_token_t = now
         self.metrics.inc("generation_tokens")
         sp = req.sampling
+        o.detok.append(t)
         if t in sp.stop_token_ids or (t in self.eos_ids and not sp.ignore_eos):
+            o.stop_reason = t if t in sp.stop_token_ids else None
             self._finish(req, "stop")
-        elif self._stop_string(req):
+        elif o.detok.stopped is not None:
+            o.stop_reason = o.detok.stopped
             self._finish(req, "stop")
-        elif len(req.out_ids) >= sp.max_tokens or len(req.tokens) >= self.args.max_model_len:
+        elif len(o.out_ids) >= sp.max_tokens or len(req.tokens) >= self.args.max_model_len:
             self._finish(req, "length")
-
-    def _stop_string(self, req: Request) -> bool:
-        if self.tokenizer is None:
-            return False
-        special = set(req.sampling.stop_token_ids) | (self.eos_ids if not req.sampling.ignore_eos else set())
-        req.text = self.tokenizer.decode([t for t in req.out_ids if t not in special])
-        for s in req.sampling.stop:
-            k = req.text.find(s, max(0, req.sent_text - len(s)))
-            if k >= 0:
-                req.text = req.text[:k + (len(s) if req.sampling.include_stop_str_in_output else 0)]
-                return True
-        return False
 
     def _finish(self, req: Request, reason: str, emit: bool = False):
         """Release the request's pages and slot now; its final output is emitted by the step (or here)."""
         if req.status != FINISHED:
             self.scheduler.finish(req, reason)
-        req.finish_reason = reason
+        req.out.finish_reason = reason
         if reason != "abort":
             self.metrics.inc("requests_finished")
-            if req.first_token_t is not None:
+            if req.out.first_token_t is not None:
                 self.metrics.observe("e2e", time.perf_counter() - req.arrival)
         if emit:
             self._emit(req)
+            self._update_gauges()
 
     def _emit(self, req: Request) -> RequestOutput | None:
-        new_ids = req.out_ids[req.sent_ids:]
+        o = req.out
+        new_ids = o.out_ids[o.sent_ids:]
         finished = req.status == FINISHED
+        if req.request_id not in self.requests:  # already emitted its final output
+            return None
         if not new_ids and not finished:
             return None
-        if req.finish_reason != "stop" or not req.sampling.stop:
-            if self.tokenizer is not None:
-                special = set(req.sampling.stop_token_ids) | (self.eos_ids if not req.sampling.ignore_eos else set())
-                req.text = self.tokenizer.decode([t for t in req.out_ids if t not in special])
-        text = req.text
-        if not finished and text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            text = text.rstrip("\ufffd")
-        new_text = text[req.sent_text:] if len(text) >= req.sent_text else ""
-        lps = req.out_logprobs[req.sent_ids:] if req.sampling.logprobs is not None else None
-        req.sent_ids = len(req.out_ids)
-        req.sent_text = max(req.sent_text, len(text))
-        out = RequestOutput(req.request_id, new_ids, new_text, lps, finished, req.finish_reason if finished else None,
-                            req.n_prompt, req.num_cached, len(req.out_ids),
-                            prompt_logprobs=req.prompt_lps if finished and req.sampling.prompt_logprobs is not None
-                            else None, error=req.error)
+        if finished and o.detok is not None:
+            o.detok.flush()
+        text = o.text
+        upto = o.detok.releasable(finished) if o.detok is not None else len(text)
+        new_text = text[o.sent_text:upto] if upto > o.sent_text else ""
+        lps = o.out_logprobs[o.sent_ids:] if req.sampling.logprobs is not None else None
+        o.sent_ids = len(o.out_ids)
+        o.sent_text = max(o.sent_text, upto)
+        out = RequestOutput(req.request_id, new_ids, new_text, lps, finished, o.finish_reason if finished else None,
+                            req.n_prompt, req.sched.num_cached, len(o.out_ids),
+                            prompt_logprobs=o.prompt_lps if finished and req.sampling.prompt_logprobs is not None
+                            else None, error=o.error, stop_reason=o.stop_reason if finished else None)
         if finished:
             self.requests.pop(req.request_id, None)
         if req.callback is not None:
@@ -373,4 +477,4 @@ class Engine:
         return {"model": self.cfg.name, "vocab_size": self.cfg.vocab_size, "max_model_len": self.args.max_model_len,
                 "eos_token_ids": sorted(self.eos_ids), "window": self.cfg.window_size,
                 "swa_bounded_replay": self.args.swa_bounded_replay, "warmup_s": round(self.warmup_s, 2),
-                "compiled_programs": self.runner.compile_count}
+                "compiled_programs": self.runner.compile_count, "kernels": self.args.kernels}

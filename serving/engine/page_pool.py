@@ -128,18 +128,33 @@ class PagePool:
         self.by_hash[h] = page
         return True
 
+    def drop_cache(self):
+        """Forget every cached prefix (the page bytes are gone, e.g. after the device pools were rebuilt):
+        free cached pages become plain free pages; referenced pages stay with their owners, unhashed."""
+        for p in list(self.free_cached) + list(self.free_session):
+            self.free_uncached[p] = None
+        self.free_cached.clear()
+        self.free_session.clear()
+        self.hash_of.clear()
+        self.by_hash.clear()
+
     # ------------------------------------------------------------------ checks
     def check(self):
+        """Verify the invariants of the module docstring; raises AssertionError naming the first violation."""
+        def need(ok, msg):
+            if not ok:
+                raise AssertionError(f"page pool invariant violated: {msg}")
+
         queues = [set(self.free_uncached), set(self.free_cached), set(self.free_session)]
-        assert all(not (a & b) for i, a in enumerate(queues) for b in queues[i + 1:]), "page in two free queues"
+        need(all(not (a & b) for i, a in enumerate(queues) for b in queues[i + 1:]), "page in two free queues")
         free = set().union(*queues)
-        assert 0 not in free and self.ref[0] == 0, "null page in use"
+        need(0 not in free and self.ref[0] == 0, "null page in use")
         for p in range(1, self.num_pages):
-            assert self.ref[p] >= 0
-            assert (self.ref[p] == 0) == (p in free), f"page {p}: ref {self.ref[p]} vs free {p in free}"
+            need(self.ref[p] >= 0, f"page {p} has a negative reference count")
+            need((self.ref[p] == 0) == (p in free), f"page {p}: ref {self.ref[p]} vs free {p in free}")
         for p, h in self.hash_of.items():
-            assert self.by_hash.get(h) == p
+            need(self.by_hash.get(h) == p, f"page {p}: hash index out of sync")
         for p in set(self.free_cached) | set(self.free_session):
-            assert p in self.hash_of
+            need(p in self.hash_of, f"cached free page {p} has no hash")
         for p in self.free_uncached:
-            assert p not in self.hash_of
+            need(p not in self.hash_of, f"uncached free page {p} has a hash")

@@ -7,18 +7,20 @@ Device state (donated to every program and updated in place):
   comp_kv/comp_score f32 [n_r2, S+1, 2, d] partial ratio-2 compressor groups
   snap_*                                  exact mode only: SWA + compressor snapshots at retained boundaries
 
-Programs (all compiled at start-up, behind a progress bar; afterwards nothing compiles):
-  prefill[T, dec]   one request's chunk of T (bucketed) tokens; dec = "none" (non-final chunk: encoder and
-                    the layer-20 build only), "win" (final chunk, CED: decoder on the last window rows, then
-                    sampling), "all" (exact mode: decoder on every row; sampling on the final chunk)
-  prefill[T, plp]   requests asking for prompt logprobs: decoder and logits on every row (exact), scored at
-                    the next prompt token, plus sampling
-  decode[B]         one token for each of B (bucketed) running requests: the whole 40-layer step + sampling
-  snap_save/load    copy a request's SWA rings + compressor state to / from a snapshot slot (exact mode)
+Programs (`ProgramKey`; all compiled at start-up behind a progress bar; afterwards nothing compiles):
+  prefill[T]  one request's chunk of T (bucketed) tokens, decoder rows none / window / all as the chunk plan
+              says, sampling on final chunks, or logits on every row (prompt logprobs)
+  decode[B]   one token for each of B (bucketed) running requests: the whole 40-layer step + sampling
+  snap_save / snap_load  copy a request's SWA rings + compressor state to / from a snapshot slot (exact mode)
+Every chunk/decode program takes (params, pools, StepInputs) and returns (pools, packed outputs): see step_io.
+
+Invariant: after a program call the runner holds valid pools, or `pools_lost()` is true (the call failed after
+the pools were donated); the engine then calls `reset_pools()` and recomputes what was lost.
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import jax
@@ -28,10 +30,24 @@ from tqdm import tqdm
 
 from dsv41_jax import quant
 from dsv41_jax.kv_cache import PagedKV, PageLayout
+from dsv41_jax.kv_format import swa_entry_bytes
 from dsv41_jax.layers import cdtype
 from dsv41_jax.model import step_impl
+from dsv41_jax.ops import ExecContext
 from dsv41_jax.params import source_slots
+from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW
 from serving.engine.sampler import sample
+from serving.engine.step_io import (
+    DECODE,
+    PREFILL,
+    SNAP_LOAD,
+    SNAP_SAVE,
+    PendingOutputs,
+    ProgramKey,
+    StepInputs,
+    StepOutputs,
+    pack_outputs,
+)
 from serving.engine.types import MAX_LOGPROBS
 
 
@@ -53,22 +69,22 @@ def _swa_unpack(cfg, b):
 class Runner:
     def __init__(self, cfg, params, args, max_pages: int):
         self.cfg, self.params, self.args = cfg, params, args
-        self.max_pages = max_pages  # page-table width = ceil(max_model_len / 64)
+        self.max_pages = max_pages  # page-table width = pages_for(max_model_len)
         self.layout = PageLayout.for_config(cfg)
-        self.kv = PagedKV(self.layout, cfg.compute_dtype)
+        self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels)
         self.S = args.max_num_seqs
         self.n_r2 = source_slots(cfg)[1].get("src_r2", 0)
         self.n_cols = ((cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads) if cfg.engram_layer_ids else 0
         self.n_eng = len(cfg.engram_layer_ids)
         self.pools = self._alloc_pools()
-        self.programs: dict = {}
+        self.programs: dict[ProgramKey, object] = {}
         self.compile_count = 0
 
     # ------------------------------------------------------------------ pools
     def _alloc_pools(self):
         cfg, a = self.cfg, self.args
         W, d = cfg.window_size, cfg.head_dim
-        e = d + d // 32 if cfg.qdq else d * jnp.dtype(cdtype(cfg)).itemsize
+        e = swa_entry_bytes(cfg)
         pools = {"pages": jnp.zeros((a.num_pages, self.layout.page_bytes), jnp.uint8),
                  "swa": jnp.zeros((cfg.n_layers, self.S + 1, W, e), jnp.uint8)}
         if self.n_r2:
@@ -85,35 +101,51 @@ class Runner:
     def pool_bytes(self) -> dict:
         return {k: int(v.size * v.dtype.itemsize) for k, v in self.pools.items()}
 
+    def pools_lost(self) -> bool:
+        """True when a failed call consumed (donated) the pools: their contents are gone."""
+        return any(v.is_deleted() for v in self.pools.values())
+
+    def reset_pools(self):
+        """Fresh zeroed pools (after a failure that lost them): every page and ring must be recomputed."""
+        for v in self.pools.values():
+            if not v.is_deleted():
+                v.delete()
+        self.pools = self._alloc_pools()
+
     # ------------------------------------------------------------------ program bodies
-    def _step(self, params, pools, slots, table, tokens, ids, pos0, n_valid, enc_clip, dec_clip, write_from,
-              samp, *, n_dec, do_sample, n_logits=1):
+    def _step(self, params, pools, inp: StepInputs, *, key: ProgramKey):
         cfg = self.cfg
-        state = {"pages": pools["pages"], "page_table": table,
+        slots = inp.slots
+        state = {"pages": pools["pages"], "page_table": inp.page_table,
                  "swa": _swa_unpack(cfg, pools["swa"][:, slots])}
         if self.n_r2:
             state["comp_kv"] = pools["comp_kv"][:, slots]
             state["comp_score"] = pools["comp_score"][:, slots]
-        logits, state, _ = step_impl(cfg, params, state, tokens, ids, pos0, enc_clip, dec_clip, write_from,
-                                     None, n_valid, fresh=False, n_dec=n_dec, n_logits=n_logits, kv=self.kv)
+        T = key.tokens
+        n_dec = {DEC_NONE: 0, DEC_WINDOW: min(cfg.window_size, T), DEC_ALL: T}[key.decoder]
+        n_logits = T if key.all_logits else 1
+        logits, state, _ = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec, n_logits=n_logits,
+                                     ex=self.ex)
         out = dict(pools, pages=state["pages"], swa=pools["swa"].at[:, slots].set(_swa_pack(cfg, state["swa"])))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state["comp_kv"])
             out["comp_score"] = pools["comp_score"].at[:, slots].set(state["comp_score"])
-        if not do_sample:
+        if not key.sample:
             return out, None
+        s = inp.sampling
         if n_logits == 1:
             last = logits[:, 0]
         else:  # prompt logprobs: every row's distribution, scored at the next prompt token
-            last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
-        res = sample(last, samp["temperature"], samp["top_k"], samp["top_p"], samp["min_p"],
-                     samp["seed"], samp["counter"], MAX_LOGPROBS)
-        if n_logits > 1:
+            last = jnp.take_along_axis(logits, (inp.chunk.n_valid - 1)[:, None, None], axis=1)[:, 0]
+        tok, tok_lp, top_ids, top_lp = sample(last, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.counter,
+                                              MAX_LOGPROBS, allowed=s.allowed)
+        res = StepOutputs(tok, tok_lp, top_ids, top_lp)
+        if key.all_logits:
             lp = jax.nn.log_softmax(logits, axis=-1)
-            nxt = jnp.take_along_axis(lp, samp["next_ids"][..., None], axis=-1)[..., 0]
-            top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-            res = res + (nxt, top_ids.astype(jnp.int32), top_lp)
-        return out, res
+            res.prompt_next_logprob = jnp.take_along_axis(lp, s.next_ids[..., None], axis=-1)[..., 0]
+            res.prompt_top_logprobs, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+            res.prompt_top_ids = ids.astype(jnp.int32)
+        return out, pack_outputs(res, T, key.all_logits)
 
     def _snap(self, pools, src, dst, *, save: bool):
         out = dict(pools)
@@ -126,88 +158,81 @@ class Runner:
                 out[live] = pools[live].at[:, dst].set(pools[snap][:, src])
         return out
 
-    # ------------------------------------------------------------------ shapes and compilation
-    def _abstract_inputs(self, B, T, plp=False):
-        i32 = np.int32
-        sds = jax.ShapeDtypeStruct
-        ids = sds((B, T, self.n_eng, self.n_cols), i32) if self.n_eng else None
-        samp = {"temperature": sds((B,), np.float32), "top_k": sds((B,), i32), "top_p": sds((B,), np.float32),
-                "min_p": sds((B,), np.float32), "seed": sds((B,), np.uint32), "counter": sds((B,), i32)}
-        if plp:
-            samp["next_ids"] = sds((B, T), i32)
-        return (sds((B,), i32), sds((B, self.max_pages), i32), sds((B, T), i32), ids, sds((B,), i32),
-                sds((B,), i32), sds((B,), i32), sds((B,), i32), sds((B,), i32), samp)
-
-    def program_keys(self):
+    # ------------------------------------------------------------------ programs
+    def program_keys(self) -> list[ProgramKey]:
+        """Every program the engine can call, derived from the buckets and the mode."""
         a = self.args
         keys = []
         for T in a.prefill_buckets:
             if a.swa_bounded_replay:
-                keys += [("prefill", T, "none"), ("prefill", T, "win")]
+                keys += [ProgramKey(PREFILL, T, DEC_NONE, sample=False), ProgramKey(PREFILL, T, DEC_WINDOW)]
             else:
-                keys += [("prefill", T, "all"), ("prefill", T, "all+sample")]
-        if a.enable_prompt_logprobs:
-            keys += [("prefill", T, "plp") for T in a.prefill_buckets]
-        keys += [("decode", B, "one") for B in a.decode_buckets]
+                keys += [ProgramKey(PREFILL, T, DEC_ALL, sample=False), ProgramKey(PREFILL, T, DEC_ALL)]
+            if a.enable_prompt_logprobs:
+                keys.append(ProgramKey(PREFILL, T, DEC_ALL, all_logits=True))
+        keys += [ProgramKey(DECODE, B) for B in a.decode_buckets]
         if not a.swa_bounded_replay:
-            keys += [("snap", 1, "save"), ("snap", 1, "load")]
+            keys += [ProgramKey(SNAP_SAVE, 1), ProgramKey(SNAP_LOAD, 1)]
         return keys
 
-    def _fn(self, key):
-        kind, n, mode = key
-        if kind == "snap":
-            return partial(self._snap, save=mode == "save")
-        W = self.cfg.window_size
-        if kind == "decode":
-            return partial(self._step, n_dec=1, do_sample=True)
-        if mode == "plp":  # decoder and logits on every row: prompt logprobs, exact (no CED trimming)
-            return partial(self._step, n_dec=n, do_sample=True, n_logits=n)
-        n_dec = {"none": 0, "win": min(W, n), "all": n, "all+sample": n}[mode]
-        return partial(self._step, n_dec=n_dec, do_sample=mode in ("win", "all+sample"))
+    def program_for_chunk(self, plan) -> ProgramKey:
+        """The prefill program that runs a (non-decode) chunk plan."""
+        T = self.bucket(PREFILL, plan.n)
+        if plan.all_logits:  # one program per bucket: it always samples (used at the prompt's end)
+            return ProgramKey(PREFILL, T, DEC_ALL, all_logits=True)
+        return ProgramKey(PREFILL, T, plan.decoder, sample=plan.sample)
 
-    def compile_all(self, progress: bool = True):
-        """Compile every program for its bucket (or prepare eager callables); returns seconds taken."""
-        import time
+    def inputs(self, key: ProgramKey) -> StepInputs:
+        """Zero-filled host inputs for `key` (the engine fills the rows it uses)."""
+        return StepInputs.host(key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols, self.cfg.vocab_size,
+                               key.all_logits, self.S)
 
+    def _fn(self, key: ProgramKey):
+        if key.kind in (SNAP_SAVE, SNAP_LOAD):
+            return partial(self._snap, save=key.kind == SNAP_SAVE)
+        return partial(self._step, key=key)
+
+    def compile_all(self, progress: bool = True, keep=None):
+        """Compile every program for its bucket (or prepare eager callables); returns seconds taken.
+        `keep(key) -> bool` restricts the set (benchmarks that only decode)."""
         t0 = time.perf_counter()
-        keys = self.program_keys()
+        keys = [k for k in self.program_keys() if keep is None or keep(k)]
         for key in tqdm(keys, desc="compiling programs", disable=not progress):
             fn = self._fn(key)
-            if key[0] == "snap":
-                if self.args.execution == "eager":
-                    self.programs[key] = fn
-                    continue
+            if self.args.execution == "eager":
+                self.programs[key] = fn
+                continue
+            if key.kind in (SNAP_SAVE, SNAP_LOAD):
                 i32 = jax.ShapeDtypeStruct((), np.int32)
-                jf = jax.jit(fn, donate_argnums=(0,))
-                self.programs[key] = jf.lower(self.pools, i32, i32).compile()
+                self.programs[key] = jax.jit(fn, donate_argnums=(0,)).lower(self.pools, i32, i32).compile()
             else:
-                B, T = (key[1], 1) if key[0] == "decode" else (1, key[1])
-                if self.args.execution == "eager":
-                    self.programs[key] = fn
-                    continue
-                jf = jax.jit(fn, donate_argnums=(1,))
-                inputs = self._abstract_inputs(B, T, plp=key[2] == "plp")
-                self.programs[key] = jf.lower(self.params, self.pools, *inputs).compile()
+                inp = StepInputs.abstract(key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
+                                          self.cfg.vocab_size, key.all_logits)
+                self.programs[key] = jax.jit(fn, donate_argnums=(1,)).lower(self.params, self.pools, inp).compile()
             self.compile_count += 1
         return time.perf_counter() - t0
 
-    def run(self, key, *args):
+    def run(self, key: ProgramKey, inp: StepInputs) -> PendingOutputs | None:
+        """Dispatch a chunk/decode program; its outputs (if it samples) start copying to the host at once."""
         fn = self.programs[key]
         if self.args.execution == "eager":
             with jax.disable_jit():
-                if key[0] == "snap":
-                    self.pools = fn(self.pools, *args)
-                    return None
-                self.pools, res = fn(self.params, self.pools, *args)
-                return res
-        if key[0] == "snap":
-            self.pools = fn(self.pools, *args)
-            return None
-        self.pools, res = fn(self.params, self.pools, *args)
-        return res
+                self.pools, packed = fn(self.params, self.pools, inp)
+        else:
+            self.pools, packed = fn(self.params, self.pools, inp)
+        return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits)
+
+    def snapshot(self, save: bool, src: int, dst: int):
+        key = ProgramKey(SNAP_SAVE if save else SNAP_LOAD, 1)
+        fn = self.programs[key]
+        if self.args.execution == "eager":
+            with jax.disable_jit():
+                self.pools = fn(self.pools, np.int32(src), np.int32(dst))
+        else:
+            self.pools = fn(self.pools, np.int32(src), np.int32(dst))
 
     def bucket(self, kind: str, n: int) -> int:
-        bs = self.args.prefill_buckets if kind == "prefill" else self.args.decode_buckets
+        bs = self.args.prefill_buckets if kind == PREFILL else self.args.decode_buckets
         for b in bs:
             if b >= n:
                 return b

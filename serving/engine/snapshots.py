@@ -34,3 +34,8 @@ class SnapshotIndex:
             _, slot = self.by_hash.popitem(last=False)
         self.by_hash[h] = slot
         return slot
+
+    def clear(self):
+        """Forget every snapshot (their device bytes are gone)."""
+        self.by_hash.clear()
+        self.free = list(range(self.n_slots))[::-1]

@@ -71,3 +71,4 @@ class RequestOutput:
     num_output_tokens: int
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished the request

@@ -1,0 +1,239 @@
+"""The ops seam: the one module through which the model calls every op that has (or will have) a fused kernel
+or a sharded variant, and the only module of the model package that may import `pallas_kernels`.
+
+`ExecContext` is the frozen execution context of a compiled program: the global-KV storage strategy
+(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas") and, later, the device mesh.
+It is hashable and passed as a static argument, so it is part of every jit key: two contexts never share a
+compiled program, and nothing is chosen by environment variables or at import time.
+
+Every op below takes the context first. Its XLA branch is the reference (the functions of `layers` /
+`attention` / `kv_cache`), and it is the default. A Pallas branch exists only where `PALLAS_OPS` has an
+implementation; asking for `kernels="pallas"` while any op still lacks one fails when the context is built,
+naming those ops: there is no silent fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax.numpy as jnp
+
+from dsv41_jax import attention as attn
+from dsv41_jax import layers, quant
+from dsv41_jax.kv_cache import DenseKV
+from dsv41_jax.weights import LayerRef, materialize
+from pallas_kernels import gemm, mhc
+from pallas_kernels import indexer as index_kernel
+from pallas_kernels import moe as moe_gemm
+
+KERNEL_CHOICES = ("xla", "pallas")
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- Pallas implementations
+def _view(p):
+    """(weight stack, scale stack or None, layer index or None) of a linear given as a LayerRef or a dict."""
+    if isinstance(p, LayerRef):
+        return p.stack["weight"], p.stack.get("scale"), p.index
+    return p["weight"], p.get("scale"), None
+
+
+def _pallas_linear(cfg, p, x):
+    dt = layers.cdtype(cfg)
+    w, s, layer = _view(p)
+    xq = layers.act_qdq(cfg, x.astype(dt), p)
+    y = gemm.matmul(xq.reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
+    return y.astype(dt).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _pallas_routed_experts(cfg, p, x, weights, idx):
+    """The reference's sort / grouped GEMMs / scatter-add, with GEMMs that read only the routed experts."""
+    dt = layers.cdtype(cfg)
+    N, D = x.shape
+    k = idx.shape[-1]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
+    quantized = cfg.qdq and layers.is_quantized(p["w1"])
+    xs = (quant.fp8_qdq(x.astype(dt), 32) if quantized else x.astype(dt))[tok]
+
+    def gdot(a, name):
+        w, s, layer = _view(p[name])
+        return moe_gemm.grouped_matmul(a, w, sizes, scale=s, layer=layer).astype(dt)
+
+    h = layers.swiglu(cfg, gdot(xs, "w1"), gdot(xs, "w3")) * weights.reshape(-1)[order][:, None]
+    h = h.astype(dt)
+    if quantized:
+        h = quant.fp8_qdq(h, 32)
+    return jnp.zeros((N, D), F32).at[tok].add(gdot(h, "w2").astype(F32))
+
+
+def _pallas_grouped_out_proj(cfg, w, o):
+    """WO-A as a grouped GEMM: the G output groups are G 'experts' of M = B*T rows each."""
+    B, T, G, din = o.shape
+    stack, layer = (w.stack, w.index) if isinstance(w, LayerRef) else (w, None)
+    w4 = stack.reshape(*stack.shape[:-2], G, cfg.o_lora_rank, din)  # [(L,) G, oL, din]: a free reshape
+    rows = o.transpose(2, 0, 1, 3).reshape(G * B * T, din).astype(BF16)
+    y = moe_gemm.grouped_matmul(rows, w4, jnp.full((G,), B * T, jnp.int32), layer=layer)
+    return y.astype(o.dtype).reshape(G, B, T, -1).transpose(1, 2, 0, 3)
+
+
+def _pallas_indexer(cfg, kv, p, x, qr, qpos, state, ratio, src, freqs, cand_source, uses_cand, cand):
+    """Score paged FP4 index keys in place: every block at full-scan layers, only the candidate blocks at the
+    Reindex layers (cost flat in the context); the selection rules are the reference's."""
+    if not getattr(kv, "paged", False):
+        raise ValueError("the Pallas indexer reads the paged global KV (PagedKV)")
+    q, w = attn.index_query(cfg, p, x, qr, qpos, freqs, lin=_pallas_linear)
+    visible = (qpos + 1) // ratio
+    C = kv.capacity(state, ratio)
+    bs = cfg.candidate_block_size
+    B, T = qpos.shape
+    blocks = cand if uses_cand else jnp.broadcast_to(jnp.arange(-(-C // bs), dtype=jnp.int32), (B, 1, -(-C // bs)))
+    region = kv.region_offset("idx", ratio, src)
+    scores = index_kernel.index_scores_paged(q, w, state["pages"], state["page_table"], blocks, visible, region,
+                                             ratio=ratio, block_size=bs)
+    if cand_source:
+        cand = index_kernel.candidate_block_ids(scores, visible, n_keep=cfg.candidate_topk_blocks, block_size=bs)
+    topk = index_kernel.select_topk_entries(scores, blocks, visible, k=min(cfg.index_topk, C))
+    return topk, cand
+
+
+def _pallas_hc_mixes(cfg, x, fn, scale, base):
+    m = layers.hc_logits(cfg, x, fn)
+    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+
+
+# op name -> Pallas implementation (None: not written yet); each kernel lives in pallas_kernels/<op>/.
+PALLAS_OPS: dict[str, object] = {
+    "linear": _pallas_linear,  # small-M GEMM on bf16 / FP8 block-32 weights, layer read in-kernel
+    "routed_experts": _pallas_routed_experts,  # active-experts-only grouped GEMM (bf16 / MXFP4)
+    "grouped_out_proj": _pallas_grouped_out_proj,  # WO-A, per output group
+    "sparse_attention": None,  # paged sparse attention over the SWA ring + top-k FP4 latents
+    "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
+    "hc_mixes": _pallas_hc_mixes,  # mHC coefficients (Sinkhorn) in one kernel
+}
+
+
+def missing_pallas_ops() -> list[str]:
+    return [name for name, impl in PALLAS_OPS.items() if impl is None]
+
+
+def check_kernels(kernels: str):
+    """Raise ValueError unless every op can run with `kernels`."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "pallas":
+        missing = missing_pallas_ops()
+        if missing:
+            raise ValueError("--kernels pallas: these ops have no Pallas version yet: " + ", ".join(missing)
+                             + " (use --kernels xla)")
+
+
+@dataclass(frozen=True)
+class ExecContext:
+    kv: object = DenseKV()  # global-KV storage: DenseKV (per-sequence buffers) or PagedKV (the page pool)
+    kernels: str = "xla"
+    mesh: object = None  # reserved for TP / DEP meshes (issue: parallelism); must be None today
+
+    def __post_init__(self):
+        check_kernels(self.kernels)
+        if self.mesh is not None:
+            raise ValueError("ExecContext.mesh: sharded execution is not available in this build")
+
+    @property
+    def pallas(self) -> bool:
+        return self.kernels == "pallas"
+
+
+DEFAULT = ExecContext()
+
+
+def _impl(ex: ExecContext, name: str):
+    return PALLAS_OPS[name] if ex.pallas else None
+
+
+# ----------------------------------------------------------------------------- GEMMs
+def linear(ex: ExecContext, cfg, p, x):
+    """y = x W^T for a bf16 or FP8 block-32 linear (`layers.linear`), output in the compute dtype."""
+    impl = _impl(ex, "linear")
+    return layers.linear(cfg, p, x) if impl is None else impl(cfg, p, x)
+
+
+def lin(ex: ExecContext):
+    """`linear` bound to a context: what the reference building blocks take as their `lin` argument."""
+    return partial(linear, ex)
+
+
+def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):
+    impl = _impl(ex, "routed_experts")
+    return layers.routed_experts(cfg, p, x, weights, idx) if impl is None else impl(cfg, p, x, weights, idx)
+
+
+def moe(ex: ExecContext, cfg, p, x):
+    """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs)."""
+    return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex))
+
+
+def grouped_out_proj(ex: ExecContext, cfg, w, o):
+    """WO-A: o [B, T, G, H*d/G] -> [B, T, G, o_lora_rank], one block-diagonal (per output group) projection with
+    the bf16 weight w [G*o_lora_rank, H*d/G] (a LayerRef or an array)."""
+    impl = _impl(ex, "grouped_out_proj")
+    if impl is not None:
+        return impl(cfg, w, o)
+    wo_a = materialize(w).astype(o.dtype).reshape(cfg.o_groups, cfg.o_lora_rank, -1)
+    return layers.mm(o, wo_a, "btgd,grd->btgr").astype(o.dtype)
+
+
+def engram(ex: ExecContext, cfg, p, h, ids):
+    return layers.engram(cfg, p, h, ids, lin=lin(ex))
+
+
+# ----------------------------------------------------------------------------- mHC
+def hc_mixes(ex: ExecContext, cfg, x, fn, scale, base):
+    impl = _impl(ex, "hc_mixes")
+    return layers.hc_mixes(cfg, x, fn, scale, base) if impl is None else impl(cfg, x, fn, scale, base)
+
+
+# ----------------------------------------------------------------------------- attention and indexer
+def gather_latents(ex: ExecContext, state, ratio: int, src, sel):
+    """The selected compressed latents [B, T, k, d] of a source (sel < 0: garbage, masked by the caller)."""
+    return ex.kv.latents(state, ratio, src, sel)
+
+
+def index_keys(ex: ExecContext, state, ratio: int, src):
+    return ex.kv.index_keys(state, ratio, src)
+
+
+def sparse_attention(ex: ExecContext, cfg, q, keys, valid, sink, scale):
+    impl = _impl(ex, "sparse_attention")
+    if impl is None:
+        return attn.sparse_attention(cfg, q, keys, valid, sink, scale)
+    return impl(cfg, q, keys, valid, sink, scale)
+
+
+def empty_candidates(ex: ExecContext, cfg, B: int, T: int, C: int):
+    """The candidate-block carry before the candidate source ran: a block mask [B,T,nb] (XLA) or block ids
+    [B,T,candidate_topk_blocks] (Pallas, -1 = none)."""
+    if cfg.candidate_source_layer < 0:
+        return jnp.zeros((B, T, 1), bool)
+    if _impl(ex, "indexer") is None:
+        return jnp.zeros((B, T, -(-C // cfg.candidate_block_size)), bool)
+    return jnp.full((B, T, cfg.candidate_topk_blocks), -1, jnp.int32)
+
+
+def indexer(ex: ExecContext, cfg, p, x, qr, qpos, state, ratio: int, src, freqs, *, cand_source: bool,
+            uses_cand: bool, cand):
+    """An index-source layer's top-k: (entry ids [B,T,k] ascending, -1 = none; the candidate carry, updated
+    at the candidate source). Reindex layers (`uses_cand`) score only the candidate blocks."""
+    impl = _impl(ex, "indexer")
+    if impl is not None:
+        return impl(cfg, ex.kv, p, x, qr, qpos, state, ratio, src, freqs, cand_source, uses_cand, cand)
+    index_k = index_keys(ex, state, ratio, src)
+    scores = attn.index_scores(cfg, p, x, qr, qpos, index_k, ratio, freqs, lin=lin(ex))
+    if cand_source:
+        cand = attn.candidate_blocks(cfg, scores, qpos, ratio)
+    elif uses_cand:
+        scores = attn.mask_to_candidates(scores, cand, cfg.candidate_block_size)
+    return attn.select_topk(cfg, scores, qpos, ratio), cand

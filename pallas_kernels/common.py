@@ -1,0 +1,139 @@
+"""Shared pieces of the Pallas kernels: in-kernel decoding of the V4.1 byte formats, the interpret switch,
+a fix for Pallas Triton's pointer offsets into 1-byte arrays of 2..4 GiB, and a CPU-side check that a kernel
+lowers through the Pallas Triton backend for an H200.
+
+The offset fix (`_install_offset_fix`, applied when this module is imported, so before any kernel lowers) wraps
+one private function of jax's Pallas Triton lowering, process-wide: arrays of more than 2^31 one-byte elements
+but at most 4 GiB get 64-bit offsets instead of sign-extended 32-bit ones (which address their upper half
+wrongly). It changes nothing else; if jax's internals move, `check_offsets` refuses such arrays instead.
+
+In-kernel decoders use only integer shifts/masks, compares, selects and float multiplies, because Hopper
+has no FP4 type and the Pallas Triton lowering cannot load float4 refs (../shared/spec/JAX_GPU.md §9). They
+are plain jnp functions on int32 arrays, so the same code runs inside a kernel body, in interpret mode on
+CPU, and in the references. Every decoder is bit-exact (tests/kernels/test_common.py checks all codes).
+
+Byte formats (dsv41_jax.quant):
+- E2M1 (FP4) code c in [0, 16): sign bit 3, exponent bits 2..1, mantissa bit 0; values 0, .5, 1, 1.5, 2, 3, 4, 6.
+  Two codes per byte, low nibble = even element.
+- E4M3 (FP8, fn variant) byte: sign bit 7, exponent bits 6..3 (bias 7), mantissa bits 2..0; 0x7f/0xff are NaN.
+- UE8M0 / E8M0 scale byte s: 2^(s - 127) (s = 0 -> 2^-127, subnormal; s = 255 is NaN in the OCP format, never
+  produced by our quantizers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def interpret_default() -> bool:
+    """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere."""
+    return jax.default_backend() == "cpu"
+
+
+def _i32(x):
+    return x.astype(jnp.int32)
+
+
+def e2m1_to_f32(code):
+    """E2M1 codes (any int dtype, values 0..15) -> f32 values."""
+    c = _i32(code)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(F32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def low_nibble(byte):
+    return _i32(byte) & 15
+
+
+def high_nibble(byte):
+    return (_i32(byte) >> 4) & 15
+
+
+def e8m0_to_f32(byte):
+    """E8M0 / UE8M0 scale bytes -> f32 powers of two (2^(s-127))."""
+    s = _i32(byte) & 255
+    normal = jax.lax.bitcast_convert_type(s << 23, F32)
+    return jnp.where(s == 0, jnp.float32(2.0 ** -127), normal)
+
+
+def e4m3_to_f32(byte):
+    """E4M3 (fn) bytes -> f32, by bit manipulation (NaN for 0x7f / 0xff)."""
+    b = _i32(byte) & 255
+    e = (b >> 3) & 15
+    m = (b & 7).astype(F32)
+    # normal: (1 + m/8) * 2^(e-7) = (8 + m) * 2^(e-10); subnormal (e == 0): m * 2^-9
+    pow2 = jax.lax.bitcast_convert_type((jnp.maximum(e, 1) - 10 + 127) << 23, F32)
+    mag = jnp.where(e == 0, m * jnp.float32(2.0 ** -9), (8.0 + m) * pow2)
+    mag = jnp.where((b & 127) == 127, jnp.float32(jnp.nan), mag)
+    return jnp.where((b & 128) != 0, -mag, mag)
+
+
+# ----------------------------------------------------------------------------- a Pallas Triton offset bug
+def _widen_for_offsets(block_info):
+    """BlockInfo of a 1-byte array with more than 2^31 elements, relabelled 2 bytes wide so that the lowering's
+    own size test (> 4 GiB) picks 64-bit offsets. Only that test reads the dtype; strides come from the shape."""
+    aval = getattr(block_info, "full_shape_dtype", None)
+    if aval is None or jnp.dtype(aval.dtype).itemsize != 1 or math.prod(aval.shape) <= 2 ** 31 - 1:
+        return block_info
+    return dataclasses.replace(block_info, full_shape_dtype=aval.update(dtype=jnp.dtype(jnp.uint16)))
+
+
+def _install_offset_fix() -> bool:
+    """Pallas Triton (jax 0.12.0.1's lowering.py; the same rule in the older sources) indexes an array with
+    32-bit offsets unless it exceeds 4 GiB, and Triton's pointer add sign-extends them: in a 1-byte array of
+    2..4 GiB (e.g. one layer's MXFP4 experts, [384, 2304, 2560] uint8) every element past 2^31 would be read
+    from the wrong address. Wrap the offset computation so such arrays get 64-bit offsets (always correct,
+    otherwise unchanged). Returns whether the fix is in place (False if jax's internals moved: `check_offsets`
+    then refuses those arrays)."""
+    try:
+        from jax._src.pallas.triton import lowering as tl
+        orig = tl._compute_offsets_from_indices
+    except (ImportError, AttributeError):
+        return False
+    if getattr(orig, "_dsv41_offset_fix", False):
+        return True
+
+    @functools.wraps(orig)
+    def fixed(block_info, *args, **kwargs):
+        return orig(_widen_for_offsets(block_info), *args, **kwargs)
+
+    fixed._dsv41_offset_fix = True
+    tl._compute_offsets_from_indices = fixed
+    return True
+
+
+OFFSET_FIX = _install_offset_fix()  # at import: every kernel module imports common
+
+
+def check_offsets(*arrays):
+    """Without the offset fix, refuse 1-byte arrays with more than 2^31 elements of at most 4 GiB."""
+    for a in arrays:
+        if not OFFSET_FIX and a.dtype.itemsize == 1 and 2 ** 31 <= a.size <= 2 ** 32:
+            raise NotImplementedError(
+                f"1-byte array {a.shape}: Pallas Triton would use 32-bit signed offsets past 2^31; keep such "
+                "weights stacked (> 4 GiB) or sharded (< 2 GiB)")
+
+
+
+# ----------------------------------------------------------------------------- GPU lowering check (CPU side)
+def lower_for_h200(fn, *abstract_args):
+    """Lower `fn(*abstract_args)` for CUDA on a machine without a GPU, through the Pallas Triton backend.
+
+    This runs every Pallas Triton lowering rule (shapes must be powers of two, supported primitives, ref
+    indexing), i.e. most of what fails when a kernel is first compiled on the GPU; it does not run Triton's
+    own compiler (ptxas, shared-memory limits). Returns the StableHLO text. Kernels must be built with
+    interpret=False for this check."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*abstract_args)
+    return exp.mlir_module()

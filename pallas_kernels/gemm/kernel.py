@@ -1,0 +1,171 @@
+"""Small-M GEMM on weights in their checkpoint formats: y = x @ dequant(w)^T, f32 output.
+
+    matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None) -> [M, N] f32
+
+Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype
+float8_e8m0fnu or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and
+the `layer` (an int32 scalar, may be traced) is read inside the kernel, so no per-layer slice is ever copied.
+
+Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn, bk] weight tiles of one
+layer over its K range, decodes FP8 tiles to bf16 in registers (e4m3 -> bf16 convert, times the tile's
+power-of-two scale, exact) and accumulates `plt.dot` in f32. K splits write f32 partials [S, Mp, N] that the
+wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x load and
+the output store, so nothing is padded or copied around the call. Weight tiles are loaded evict-first.
+
+Numerics contract: every product is exact (bf16 x bf16, or bf16 x e4m3 * 2^k, both exactly representable) and
+accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch:
+dequantize, then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
+
+Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need
+the 64-bit offset fix of pallas_kernels.common.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default  # noqa: F401
+from pallas_kernels.gemm.block_sizes import GemmBlock, pick_gemm_block
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def scale_codes(scale):
+    """E8M0 scales (float8_e8m0fnu or uint8 codes) -> uint8 codes."""
+    if scale.dtype == jnp.uint8:
+        return scale
+    return jax.lax.bitcast_convert_type(scale, jnp.uint8)
+
+
+def layer_array(layer, stacked: bool):
+    if stacked and layer is None:
+        raise ValueError("a stacked weight needs `layer`")
+    if not stacked and layer is not None:
+        raise ValueError("`layer` given for an unstacked weight")
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+
+
+def expand_tile_scale(s, rows: int, cols: int):
+    """[rows/r, cols/c] per-tile scales -> [rows, cols] (broadcast + reshape, Triton-lowerable)."""
+    a, b = s.shape
+    r, c = rows // a, cols // b
+    return jnp.broadcast_to(s[:, None, :, None], (a, r, b, c)).reshape(rows, cols)
+
+
+def dequant_fp8_tile(w, codes):
+    """e4m3 tile [bn, bk] and its E8M0 codes [bn/32, bk/32] -> bf16 tile (exact)."""
+    s = expand_tile_scale(e8m0_to_f32(codes).astype(BF16), *w.shape)
+    return w.astype(BF16) * s
+
+
+# ----------------------------------------------------------------------------- reference ("xla" branch)
+def dequant_fp8(q, scale, dtype=BF16, block: int = 32):
+    """[.., N, K] e4m3 with [.., N/32, K/32] E8M0 scales -> dtype (the model's lin_weight)."""
+    s = jax.lax.bitcast_convert_type(scale_codes(scale).astype(jnp.int32) << 23, F32)
+    s = jnp.where(scale_codes(scale) == 0, jnp.float32(2.0 ** -127), s)
+    s = jnp.repeat(jnp.repeat(s, block, axis=-2), block, axis=-1)[..., :q.shape[-2], :q.shape[-1]]
+    return (q.astype(F32) * s).astype(dtype)
+
+
+def ref_matmul(x, w, *, scale=None, layer=None):
+    """What the model does today: slice the layer, dequantize to bf16, einsum with f32 accumulation."""
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+        if scale is not None:
+            scale = jax.lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
+    wd = dequant_fp8(w, scale) if scale is not None else w.astype(BF16)
+    return jnp.einsum("mk,nk->mn", x.astype(BF16), wd, preferred_element_type=F32)
+
+
+# ----------------------------------------------------------------------------- kernel
+def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8: bool, m_rows: int):
+    s_ref, o_ref = rest if fp8 else (None, rest[0])
+    bm, bn, bk = blk.bm, blk.bn, blk.bk
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    m0 = pl.multiple_of(i * bm, bm)
+    n0 = pl.multiple_of(j * bn, bn)
+    kbase = s * (ksteps * bk)
+    rmask = (m0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) < m_rows  # padding rows are not loaded
+
+    def body(t, acc):
+        k0 = pl.multiple_of(kbase + t * bk, bk)
+        xt = plt.load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
+        wt = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], eviction_policy="evict_first")
+        if fp8:
+            kb0 = s * (ksteps * bk // 32) + t * (bk // 32)  # k0 / 32 without a signed division
+            codes = s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb0, bk // 32)]
+            wt = dequant_fp8_tile(wt, codes)
+        return acc + plt.dot(xt, wt, trans_b=True)
+
+    o_ref[...] = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bm, bn), F32))
+
+
+@functools.partial(jax.jit, static_argnames=("blk", "interpret"))
+def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
+    M, K = x.shape
+    _, N, _ = w.shape
+    fp8 = codes is not None
+    ksteps = K // blk.bk // blk.splits
+    grid = (-(-M // blk.bm), N // blk.bn, blk.splits)
+    anyspec = pl.BlockSpec(memory_space=pl.ANY)
+    args = [layer, x, w] + ([codes] if fp8 else [])
+    out = pl.pallas_call(
+        functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M),
+        out_shape=jax.ShapeDtypeStruct((blk.splits, M, N), F32),
+        grid=grid,
+        in_specs=[anyspec] * len(args),
+        out_specs=pl.BlockSpec((None, blk.bm, blk.bn), lambda i, j, s: (s, i, j)),  # last M tile: masked store
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        interpret=interpret,
+        name="gemm_fp8" if fp8 else "gemm_bf16",
+    )(*args)
+    return out[0] if blk.splits == 1 else jnp.sum(out, axis=0)
+
+
+def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):
+    lo = 32 if fp8 else 16
+    for name, v in (("bm", blk.bm), ("bn", blk.bn), ("bk", blk.bk)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of two >= 16")
+    if blk.bn < lo or blk.bk < lo or N % blk.bn or K % blk.bk or (K // blk.bk) % blk.splits:
+        raise ValueError(f"block {blk} does not tile N={N}, K={K} (fp8={fp8})")
+
+
+def matmul(x, w, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,
+           block: GemmBlock | None = None):
+    """y [M, N] f32 = x [M, K] @ dequant(w)^T; see the module docstring."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
+    stacked = w.ndim == 3
+    layer_arr = layer_array(layer, stacked)
+    fp8 = scale is not None
+    if fp8 and w.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"FP8 weights must be float8_e4m3fn, got {w.dtype}")
+    if not fp8 and w.dtype != BF16:
+        raise ValueError(f"weights without scale must be bf16, got {w.dtype}")
+    if implementation == "xla":
+        return ref_matmul(x, w, scale=scale, layer=layer)
+    M, K = x.shape
+    if w.shape[-1] != K:
+        raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
+    N = w.shape[-2]
+    w3 = w if stacked else w[None]
+    codes = None
+    if fp8:
+        codes = scale_codes(scale)
+        codes = codes if stacked else codes[None]
+        if codes.shape[-2:] != (N // 32, K // 32) or N % 32 or K % 32:
+            raise ValueError(f"FP8 weight {w.shape} needs N, K multiples of 32 and scale [.., N/32, K/32]")
+    check_offsets(w3, *([codes] if fp8 else []))
+    blk = block or pick_gemm_block(M, N, K, fp8=fp8)
+    check_block(blk, N, K, fp8)
+    interpret = interpret_default() if interpret is None else interpret
+    return _matmul_pallas(x.astype(BF16), w3, codes, layer_arr, blk=blk, interpret=interpret)

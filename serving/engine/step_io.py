@@ -1,0 +1,167 @@
+"""Typed inputs and outputs of the engine's compiled programs.
+
+`ProgramKey` names a program (what it computes, for which bucket). `StepInputs` is the one pytree every
+chunk/decode program takes besides the parameters and the device pools; the engine fills it from chunk
+plans and the AOT compilation lowers the programs from `StepInputs.abstract(...)`, built by the same code,
+so the two cannot disagree on fields or order. Results are a `StepOutputs` read by field name.
+
+On the device all outputs of a program are packed into ONE int32 array [B, width] (floats bit-cast), so a
+step costs one device-to-host transfer, started asynchronously right after dispatch (`PendingOutputs`) and
+read when the engine needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41_jax.model import ChunkInputs
+from serving.engine.types import MAX_LOGPROBS
+
+PREFILL, DECODE, SNAP_SAVE, SNAP_LOAD = "prefill", "decode", "snap_save", "snap_load"
+
+
+@dataclass(frozen=True, order=True)
+class ProgramKey:
+    kind: str  # PREFILL | DECODE | SNAP_SAVE | SNAP_LOAD
+    size: int  # prefill: tokens per chunk (bucket); decode: batch (bucket); snapshots: 1
+    decoder: str = "all"  # chunk_plan.DEC_NONE | DEC_WINDOW | DEC_ALL
+    sample: bool = True
+    all_logits: bool = False  # logits on every row: prompt logprobs
+
+    @property
+    def batch(self) -> int:
+        return self.size if self.kind == DECODE else 1
+
+    @property
+    def tokens(self) -> int:
+        return 1 if self.kind == DECODE else self.size
+
+    def __str__(self) -> str:
+        if self.kind in (SNAP_SAVE, SNAP_LOAD):
+            return self.kind
+        extra = ("+sample" if self.sample else "") + ("+all_logits" if self.all_logits else "")
+        return f"{self.kind}[{self.size}]:{self.decoder}{extra}"
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["temperature", "top_k", "top_p", "min_p", "seed", "counter", "allowed", "next_ids"],
+         meta_fields=[])
+@dataclass(frozen=True)
+class SamplingInputs:
+    temperature: jax.Array  # [B] f32 (<= 0: greedy)
+    top_k: jax.Array  # [B] int32 (<= 0: off)
+    top_p: jax.Array  # [B] f32
+    min_p: jax.Array  # [B] f32
+    seed: jax.Array  # [B] uint32
+    counter: jax.Array  # [B] int32 sampling step of the request (RNG stream position)
+    allowed: jax.Array  # [B, ceil(V/32)] uint32 bitmask of the tokens that may be sampled (all ones: any token)
+    next_ids: jax.Array | None  # [B, T] int32 next prompt token of every row (prompt-logprob programs only)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["slots", "page_table", "chunk", "sampling"],
+         meta_fields=[])
+@dataclass(frozen=True)
+class StepInputs:
+    slots: jax.Array  # [B] int32 SWA ring / compressor slot of each row (the scratch slot for padding)
+    page_table: jax.Array  # [B, max_pages] int32 global-KV pages (0 = the null page)
+    chunk: ChunkInputs  # tokens, Engram rows, positions, clips, write_from
+    sampling: SamplingInputs
+
+    @staticmethod
+    def host(B: int, T: int, max_pages: int, n_engram: int, n_cols: int, vocab: int, all_logits: bool,
+             scratch_slot: int):
+        """Default host (numpy) inputs for B rows of T tokens (greedy, unconstrained); padding rows use the
+        scratch slot."""
+        i32, f32 = np.int32, np.float32
+        ids = np.zeros((B, T, n_engram, n_cols), i32) if n_engram else None
+        chunk = ChunkInputs(np.zeros((B, T), i32), ids, np.zeros(B, i32), np.zeros(B, i32), np.zeros(B, i32),
+                            np.zeros(B, i32), np.zeros(B, i32))
+        samp = SamplingInputs(np.zeros(B, f32), np.full(B, -1, i32), np.ones(B, f32), np.zeros(B, f32),
+                              np.zeros(B, np.uint32), np.zeros(B, i32), np.full((B, mask_words(vocab)), ALL_BITS),
+                              np.zeros((B, T), i32) if all_logits else None)
+        return StepInputs(np.full(B, scratch_slot, i32), np.zeros((B, max_pages), i32), chunk, samp)
+
+    @staticmethod
+    def abstract(B: int, T: int, max_pages: int, n_engram: int, n_cols: int, vocab: int, all_logits: bool):
+        """The same structure as `host` with jax.ShapeDtypeStruct leaves (for AOT lowering)."""
+        ex = StepInputs.host(B, T, max_pages, n_engram, n_cols, vocab, all_logits, 0)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ex)
+
+
+ALL_BITS = np.uint32(0xFFFFFFFF)
+
+
+def mask_words(vocab: int) -> int:
+    """uint32 words of a token bitmask over the vocabulary (bit t % 32 of word t // 32 = token t)."""
+    return -(-vocab // 32)
+
+
+@dataclass
+class StepOutputs:
+    """What a sampling program returns, per row (numpy once on the host)."""
+    tokens: np.ndarray  # [B] int32 sampled token
+    token_logprob: np.ndarray  # [B] f32 its logprob (raw distribution)
+    top_ids: np.ndarray  # [B, MAX_LOGPROBS] int32
+    top_logprobs: np.ndarray  # [B, MAX_LOGPROBS] f32
+    prompt_next_logprob: np.ndarray | None = None  # [B, T] f32 logprob of the next prompt token at every row
+    prompt_top_ids: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] int32
+    prompt_top_logprobs: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] f32
+
+
+def _layout(B: int, T: int, all_logits: bool):
+    """(field, per-row shape, dtype) in packing order."""
+    n = MAX_LOGPROBS
+    out = [("tokens", (), np.int32), ("token_logprob", (), np.float32), ("top_ids", (n,), np.int32),
+           ("top_logprobs", (n,), np.float32)]
+    if all_logits:
+        out += [("prompt_next_logprob", (T,), np.float32), ("prompt_top_ids", (T, n), np.int32),
+                ("prompt_top_logprobs", (T, n), np.float32)]
+    return out
+
+
+def pack_outputs(out: StepOutputs, T: int, all_logits: bool) -> jax.Array:
+    """Device side: every field of `out` (jax arrays) into one int32 [B, width] array."""
+    parts = []
+    for name, _, dt in _layout(out.tokens.shape[0], T, all_logits):
+        x = getattr(out, name)
+        x = x.astype(jnp.int32) if dt == np.int32 else jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+        parts.append(x.reshape(x.shape[0], -1))
+    return jnp.concatenate(parts, axis=1)
+
+
+def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool) -> StepOutputs:
+    """Host side: the inverse of `pack_outputs` on the transferred numpy array."""
+    B = packed.shape[0]
+    vals, off = {}, 0
+    for name, shape, dt in _layout(B, T, all_logits):
+        w = int(np.prod(shape)) if shape else 1
+        col = packed[:, off:off + w]
+        off += w
+        vals[name] = (col if dt == np.int32 else col.view(np.float32)).reshape((B, *shape))
+    if off != packed.shape[1]:
+        raise ValueError(f"packed output width {packed.shape[1]} does not match the layout ({off})")
+    return StepOutputs(**vals)
+
+
+class PendingOutputs:
+    """A program's packed outputs on their way to the host (the copy starts at construction)."""
+
+    def __init__(self, packed: jax.Array, T: int, all_logits: bool):
+        self.packed = packed
+        self.T, self.all_logits = T, all_logits
+        packed.copy_to_host_async()
+        self._host: StepOutputs | None = None
+
+    def get(self) -> StepOutputs:
+        if self._host is None:
+            self._host = unpack_outputs(np.asarray(self.packed), self.T, self.all_logits)
+        return self._host
+
+
+if {f.name for f in fields(StepOutputs)} != {n for n, _, _ in _layout(1, 1, True)}:
+    raise ImportError("StepOutputs and its packing layout disagree")

@@ -1,0 +1,84 @@
+"""The seams between the engine, the runner and the model: typed step I/O, packed outputs, the kernel switch."""
+import jax
+import numpy as np
+import pytest
+
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.ops import PALLAS_OPS, ExecContext, missing_pallas_ops
+from serving.engine.config import EngineArgs
+from serving.engine.step_io import (
+    DECODE,
+    PREFILL,
+    ProgramKey,
+    StepInputs,
+    StepOutputs,
+    mask_words,
+    pack_outputs,
+    unpack_outputs,
+)
+from serving.engine.types import MAX_LOGPROBS
+
+TINY = ModelConfig.preset("tiny")
+
+
+def test_kernels_pallas_fails_naming_the_missing_ops():
+    missing = missing_pallas_ops()
+    if not missing:
+        pytest.skip("every op has a Pallas version")
+    with pytest.raises(ValueError) as e:
+        EngineArgs(max_model_len=256, kernels="pallas").resolved(TINY)
+    for name in missing:
+        assert name in str(e.value)
+    with pytest.raises(ValueError, match="no Pallas version"):
+        ExecContext(kernels="pallas")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        EngineArgs(max_model_len=256, kernels="cuda").resolved(TINY)
+    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer"}
+
+
+def test_exec_context_is_part_of_the_jit_key():
+    a, b = ExecContext(), ExecContext()
+    assert a == b and hash(a) == hash(b)  # equal contexts share compiled programs
+
+
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_abstract_inputs_have_the_structure_of_host_inputs(all_logits):
+    host = StepInputs.host(3, 16, 5, 1, 4, TINY.vocab_size, all_logits, 7)
+    abst = StepInputs.abstract(3, 16, 5, 1, 4, TINY.vocab_size, all_logits)
+    assert jax.tree.structure(host) == jax.tree.structure(abst)
+    for h, a in zip(jax.tree.leaves(host), jax.tree.leaves(abst)):
+        assert h.shape == a.shape and h.dtype == a.dtype
+    assert (host.slots == 7).all()  # padding rows point at the scratch slot
+    allowed = host.sampling.allowed
+    assert allowed.shape == (3, mask_words(TINY.vocab_size)) and (allowed == 0xFFFFFFFF).all()
+    assert (host.sampling.next_ids is not None) == all_logits
+
+
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_outputs_pack_into_one_array_and_unpack_by_name(all_logits):
+    rng = np.random.default_rng(0)
+    B, T, n = 4, 8, MAX_LOGPROBS
+    out = StepOutputs(rng.integers(0, 500, B).astype(np.int32), rng.normal(size=B).astype(np.float32),
+                      rng.integers(0, 500, (B, n)).astype(np.int32), rng.normal(size=(B, n)).astype(np.float32))
+    if all_logits:
+        out.prompt_next_logprob = rng.normal(size=(B, T)).astype(np.float32)
+        out.prompt_top_ids = rng.integers(0, 500, (B, T, n)).astype(np.int32)
+        out.prompt_top_logprobs = rng.normal(size=(B, T, n)).astype(np.float32)
+    fields = {k: v for k, v in vars(out).items() if v is not None}
+    packed = jax.jit(lambda f: pack_outputs(StepOutputs(**f), T, all_logits))(fields)
+    assert packed.ndim == 2 and packed.dtype == np.int32
+    back = unpack_outputs(np.asarray(packed), T, all_logits)
+    for name in vars(out):
+        a, b = getattr(out, name), getattr(back, name)
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b)
+            assert a.dtype == b.dtype
+
+
+def test_program_keys_name_what_they_compute():
+    k = ProgramKey(PREFILL, 64, "window")
+    assert (k.batch, k.tokens, str(k)) == (1, 64, "prefill[64]:window+sample")
+    d = ProgramKey(DECODE, 8)
+    assert (d.batch, d.tokens) == (8, 1) and d < ProgramKey(PREFILL, 1)
