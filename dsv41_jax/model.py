@@ -124,7 +124,7 @@ def _put(a, i, v):
 def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot, x, state, shared, rows: _Rows,
                forced):
     B, T, _ = x.shape
-    H, d, W = cfg.n_heads, cfg.head_dim, cfg.window_size
+    H, d = cfg.n_heads, cfg.head_dim
     ratio = seg.ratio
     freqs = jnp.asarray(layer_freqs(cfg, ratio))
     ap, aref = lp["attn"], lref["attn"]
@@ -133,14 +133,7 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
     kv = apply_rope(layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wkv"], x), ap["kv_norm"]), rows.qpos, freqs)
     if cfg.qdq:
         kv = quant.fp8_qdq(kv, 32)
-    ring = jax.lax.dynamic_index_in_dim(state["swa"], l, keepdims=False)
-    wpos = attention.window_positions(rows.qpos, rows.clip, W, rows.fresh)
-    widx = attention.window_store_index(wpos, rows.pos0, W, rows.fresh)
-    store = kv if rows.fresh else jnp.concatenate([ring, kv], axis=1)
-    keys = jnp.take_along_axis(store, widx.reshape(B, -1)[..., None], axis=1).reshape(B, T, -1, d)
-    valid = wpos >= 0
-    state = dict(state, swa=_put(state["swa"], l, attention.ring_update(ring, kv, rows.pos0, W, rows.n_valid)))
-    topk = None
+    topk, sel, src = None, None, None
     if ratio:
         if kind == KIND_SRC:
             shared = dict(shared, src=jnp.asarray(slot, jnp.int32))
@@ -157,10 +150,10 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
                 shared = dict(shared, cand=cand)
             shared = dict(shared, topk=topk)
         sel = shared["topk"]
-        ck = ops.gather_latents(ex, state, ratio, src, sel)
-        keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
-        valid = jnp.concatenate([valid, sel >= 0], axis=2)
-    o = ops.sparse_attention(ex, cfg, q, keys.astype(q.dtype), valid, ap["attn_sink"], d ** -0.5)
+    # window (ring before this chunk + the chunk) and selected latents, then the chunk enters the ring
+    o = ops.csa_attention(ex, cfg, q, kv, state, l, rows.qpos, rows.pos0, rows.clip, rows.fresh, sel, ratio, src,
+                          ap["attn_sink"])
+    state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
     o = apply_rope(o, rows.qpos, freqs, inverse=True)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
     return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1)), state, shared, topk

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 
 from dsv41_jax import attention as attn
@@ -26,6 +27,7 @@ from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
+from pallas_kernels import sparse_attention as attn_kernel
 
 KERNEL_CHOICES = ("xla", "pallas")
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -100,6 +102,35 @@ def _pallas_indexer(cfg, kv, p, x, qr, qpos, state, ratio, src, freqs, cand_sour
     return topk, cand
 
 
+def _pallas_attention(cfg, kv_store, q, kv, state, l, pos0, clip, sel, ratio, src, sink):
+    """Reads the packed FP8 rings (state["swa_pool"] [L, R, W, e], rows state["slots"]) and the FP4 latents
+    straight from the page pool."""
+    if "swa_pool" not in state or not getattr(kv_store, "paged", False):
+        raise ValueError("the Pallas attention reads the engine's packed SWA rings and paged global KV")
+    d = q.shape[-1]
+    region = kv_store.region_offset("lat", ratio, src) if sel is not None else jnp.int32(0)
+    return attn_kernel.paged_sparse_attention(q, kv, state["swa_pool"], l, state["slots"], pos0, clip,
+                                              state["pages"], state["page_table"], sel, region, sink,
+                                              ratio=max(ratio, 1), scale=d ** -0.5)
+
+
+def _pallas_ring_write(cfg, state, l, kv, pos0, n_valid):
+    """Write the chunk's last min(W, n_valid) rows (FP8 + UE8M0 bytes) into the packed ring pool in place."""
+    pool, slots = state["swa_pool"], state["slots"]
+    B, T, d = kv.shape
+    W = cfg.window_size
+    q8, codes = quant.fp8_pack(kv, 32)
+    entry = jnp.concatenate([q8, codes], axis=-1)  # [B, T, e]
+    i = jnp.arange(T)[None]
+    keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - W)  # later rows of one slot win: write each once
+    pos = pos0[:, None] + i
+    ring_idx = jnp.where(keep, jnp.mod(pos, W), W)  # W is out of bounds: dropped
+    slot_idx = jnp.broadcast_to(slots[:, None], (B, T))
+    layer = jnp.full((B, T), l, jnp.int32)
+    pool = pool.at[layer, slot_idx, ring_idx].set(entry, mode="drop")
+    return dict(state, swa_pool=pool)
+
+
 def _pallas_hc_mixes(cfg, x, fn, scale, base):
     m = layers.hc_logits(cfg, x, fn)
     return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
@@ -110,7 +141,7 @@ PALLAS_OPS: dict[str, object] = {
     "linear": _pallas_linear,  # small-M GEMM on bf16 / FP8 block-32 weights, layer read in-kernel
     "routed_experts": _pallas_routed_experts,  # active-experts-only grouped GEMM (bf16 / MXFP4)
     "grouped_out_proj": _pallas_grouped_out_proj,  # WO-A, per output group
-    "sparse_attention": None,  # paged sparse attention over the SWA ring + top-k FP4 latents
+    "sparse_attention": _pallas_attention,  # the FP8 rings + top-k FP4 latents read in place, in one kernel
     "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
     "hc_mixes": _pallas_hc_mixes,  # mHC coefficients (Sinkhorn) in one kernel
 }
@@ -206,11 +237,36 @@ def index_keys(ex: ExecContext, state, ratio: int, src):
     return ex.kv.index_keys(state, ratio, src)
 
 
-def sparse_attention(ex: ExecContext, cfg, q, keys, valid, sink, scale):
+def csa_attention(ex: ExecContext, cfg, q, kv, state, l, qpos, pos0, clip, fresh: bool, sel, ratio: int, src,
+                  sink):
+    """One layer's CSA2 attention core (before the inverse RoPE): q [B,T,H,d] over each row's sliding window
+    (the ring before this chunk + the chunk's own kv [B,T,d], in the reference's list order, clipped at `clip`)
+    followed by its selected compressed latents (sel [B,T,k], -1 = none; None for SWA-only layers)."""
     impl = _impl(ex, "sparse_attention")
-    if impl is None:
-        return attn.sparse_attention(cfg, q, keys, valid, sink, scale)
-    return impl(cfg, q, keys, valid, sink, scale)
+    if impl is not None and not fresh:
+        return impl(cfg, ex.kv, q, kv, state, l, pos0, clip, sel, ratio, src, sink)
+    B, T, H, d = q.shape
+    W = cfg.window_size
+    ring = jax.lax.dynamic_index_in_dim(state["swa"], l, keepdims=False)
+    wpos = attn.window_positions(qpos, clip, W, fresh)
+    widx = attn.window_store_index(wpos, pos0, W, fresh)
+    store = kv if fresh else jnp.concatenate([ring, kv], axis=1)
+    keys = jnp.take_along_axis(store, widx.reshape(B, -1)[..., None], axis=1).reshape(B, T, -1, d)
+    valid = wpos >= 0
+    if sel is not None:
+        ck = gather_latents(ex, state, ratio, src, sel)
+        keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
+        valid = jnp.concatenate([valid, sel >= 0], axis=2)
+    return attn.sparse_attention(cfg, q, keys.astype(q.dtype), valid, sink, d ** -0.5)
+
+
+def ring_write(ex: ExecContext, cfg, state, l, kv, pos0, n_valid):
+    """The chunk's SWA entries [B,T,d] (its first n_valid rows) enter layer l's rings."""
+    if _impl(ex, "sparse_attention") is not None and "swa_pool" in state:
+        return _pallas_ring_write(cfg, state, l, kv, pos0, n_valid)
+    ring = jax.lax.dynamic_index_in_dim(state["swa"], l, keepdims=False)
+    new = attn.ring_update(ring, kv, pos0, cfg.window_size, n_valid)
+    return dict(state, swa=jax.lax.dynamic_update_index_in_dim(state["swa"], new.astype(state["swa"].dtype), l, 0))
 
 
 def empty_candidates(ex: ExecContext, cfg, B: int, T: int, C: int):

@@ -21,19 +21,28 @@ from serving.engine.types import MAX_LOGPROBS
 TINY = ModelConfig.preset("tiny")
 
 
-def test_kernels_pallas_fails_naming_the_missing_ops():
-    missing = missing_pallas_ops()
-    if not missing:
-        pytest.skip("every op has a Pallas version")
+def test_kernels_pallas_fails_naming_the_missing_ops(monkeypatch):
+    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer", "hc_mixes"}
+    assert missing_pallas_ops() == []  # every op has its kernel today
+    ExecContext(kernels="pallas")
+    for name in ("hc_mixes", "indexer"):  # an op without a kernel is refused by name, never silently XLA
+        monkeypatch.setitem(PALLAS_OPS, name, None)
     with pytest.raises(ValueError) as e:
         EngineArgs(max_model_len=256, kernels="pallas").resolved(TINY)
-    for name in missing:
-        assert name in str(e.value)
+    assert "hc_mixes" in str(e.value) and "indexer" in str(e.value) and "linear" not in str(e.value)
     with pytest.raises(ValueError, match="no Pallas version"):
         ExecContext(kernels="pallas")
     with pytest.raises(ValueError, match="kernels must be one of"):
         EngineArgs(max_model_len=256, kernels="cuda").resolved(TINY)
-    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer"}
+
+
+def test_pallas_kernels_refuse_unsupported_model_configs(tiny_params):
+    from serving.engine import Engine
+
+    with pytest.raises(ValueError, match="window 8"):
+        Engine(TINY, EngineArgs(max_model_len=256, kernels="pallas", max_num_batched_tokens=64,
+                                prefill_buckets=(64,), decode_buckets=(1,), max_num_seqs=1), params=tiny_params,
+               progress=False)
 
 
 def test_exec_context_is_part_of_the_jit_key():

@@ -10,7 +10,8 @@ Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn
 layer over its K range, decodes FP8 tiles to bf16 in registers (e4m3 -> bf16 convert, times the tile's
 power-of-two scale, exact) and accumulates `plt.dot` in f32. K splits write f32 partials [S, Mp, N] that the
 wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x load and
-the output store, so nothing is padded or copied around the call. Weight tiles are loaded evict-first.
+land in padded f32 output rows that the wrapper slices off (jax 0.11.2's Triton lowering does not mask a block
+that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-first.
 
 Numerics contract: every product is exact (bf16 x bf16, or bf16 x e4m3 * 2^k, both exactly representable) and
 accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch:
@@ -114,20 +115,23 @@ def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
     _, N, _ = w.shape
     fp8 = codes is not None
     ksteps = K // blk.bk // blk.splits
-    grid = (-(-M // blk.bm), N // blk.bn, blk.splits)
+    m_tiles = -(-M // blk.bm)
+    grid = (m_tiles, N // blk.bn, blk.splits)
     anyspec = pl.BlockSpec(memory_space=pl.ANY)
     args = [layer, x, w] + ([codes] if fp8 else [])
+    # the output is padded to whole M tiles: jax 0.11.2's Triton lowering does not mask a block that overhangs
+    # the array, so an overhanging store would write past the rows (into the next split's partials)
     out = pl.pallas_call(
         functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M),
-        out_shape=jax.ShapeDtypeStruct((blk.splits, M, N), F32),
+        out_shape=jax.ShapeDtypeStruct((blk.splits, m_tiles * blk.bm, N), F32),
         grid=grid,
         in_specs=[anyspec] * len(args),
-        out_specs=pl.BlockSpec((None, blk.bm, blk.bn), lambda i, j, s: (s, i, j)),  # last M tile: masked store
+        out_specs=pl.BlockSpec((None, blk.bm, blk.bn), lambda i, j, s: (s, i, j)),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         interpret=interpret,
         name="gemm_fp8" if fp8 else "gemm_bf16",
     )(*args)
-    return out[0] if blk.splits == 1 else jnp.sum(out, axis=0)
+    return (out[0] if blk.splits == 1 else jnp.sum(out, axis=0))[:M]
 
 
 def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):

@@ -156,11 +156,13 @@ class Engine:
                              f"{len(ids)} prompt tokens and max_tokens={sp.max_tokens}")
         if len(self.scheduler.waiting) >= self.args.max_queued_requests:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are already queued")
+        grammar = self._grammar_state(sp) if sp.structured is not None else None  # GrammarError: ValueError
         # every accepted request draws from the seed stream (arrival order), seeded or not
         drawn = int(self._seeds.integers(0, 2 ** 32))
         seed = (sp.seed if sp.seed is not None else drawn) & 0xFFFFFFFF
         req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback,
                       seed=seed)
+        req.out.grammar = grammar  # structured outputs: advanced in _append, masks the sampler in _fill_row
         special = set(sp.stop_token_ids) | (self.eos_ids if not sp.ignore_eos else set())
         req.out.detok = IncrementalDetokenizer(self.tokenizer, skip_ids=special, stop=sp.stop,
                                                include_stop=sp.include_stop_str_in_output)
@@ -171,6 +173,16 @@ class Engine:
             return
         self.scheduler.waiting.append(req)
         self._update_gauges()
+
+    def _grammar_state(self, sp: SamplingParams):
+        """A fresh grammar state for a structured-output request (compiled here unless the API did it)."""
+        from serving.engine.structured import GrammarCompiler
+
+        if sp.structured.compiled is None or sp.structured.compiled.vocab_size != self.cfg.vocab_size:
+            if getattr(self, "_grammars", None) is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_ids)
+            self._grammars.compile(sp.structured)
+        return sp.structured.compiled.new_state()
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -336,6 +348,9 @@ class Engine:
         sp = req.sampling
         sm.temperature[i], sm.top_k[i], sm.top_p[i], sm.min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         sm.seed[i], sm.counter[i] = req.seed, req.counter
+        grammar = getattr(req.out, "grammar", None)
+        if grammar is not None and p.sample:  # the grammar state is current: the last token was collected
+            grammar.fill(sm.allowed[i])
         if sm.next_ids is not None:
             nxt = req.tokens[p.pos0 + 1:p.end + 1]
             sm.next_ids[i, :len(nxt)] = nxt
@@ -416,11 +431,17 @@ class Engine:
         self.metrics.inc("generation_tokens")
         sp = req.sampling
         o.detok.append(t)
-        if t in sp.stop_token_ids or (t in self.eos_ids and not sp.ignore_eos):
+        grammar = getattr(o, "grammar", None)
+        if grammar is not None and not grammar.advance(t):  # only a dead-end grammar lets this happen
+            o.error = f"structured output: {grammar.error}"
+            self._finish(req, "abort")
+        elif t in sp.stop_token_ids or (t in self.eos_ids and not sp.ignore_eos):
             o.stop_reason = t if t in sp.stop_token_ids else None
             self._finish(req, "stop")
         elif o.detok.stopped is not None:
             o.stop_reason = o.detok.stopped
+            self._finish(req, "stop")
+        elif grammar is not None and grammar.done:  # the constrained output is complete
             self._finish(req, "stop")
         elif len(o.out_ids) >= sp.max_tokens or len(req.tokens) >= self.args.max_model_len:
             self._finish(req, "length")
@@ -430,6 +451,7 @@ class Engine:
         if req.status != FINISHED:
             self.scheduler.finish(req, reason)
         req.out.finish_reason = reason
+        self.metrics.finished(reason)
         if reason != "abort":
             self.metrics.inc("requests_finished")
             if req.out.first_token_t is not None:

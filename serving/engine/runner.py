@@ -66,11 +66,26 @@ def _swa_unpack(cfg, b):
     return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], d, jnp.dtype(dt).itemsize), dt)
 
 
+def _check_pallas_config(cfg):
+    """The kernels implement the production formats: bf16 compute, FP8/FP4 KV (qdq on), 64-entry window chunks."""
+    problems = []
+    if cfg.compute_dtype != "bfloat16":
+        problems.append(f"compute_dtype {cfg.compute_dtype} (needs bfloat16)")
+    if not cfg.qdq:
+        problems.append("qdq off (the kernels read FP8 rings and FP4 pages)")
+    if cfg.window_size % 64:
+        problems.append(f"window {cfg.window_size} (needs a multiple of 64)")
+    if problems:
+        raise ValueError("--kernels pallas does not support this model config: " + "; ".join(problems))
+
+
 class Runner:
     def __init__(self, cfg, params, args, max_pages: int):
         self.cfg, self.params, self.args = cfg, params, args
         self.max_pages = max_pages  # page-table width = pages_for(max_model_len)
         self.layout = PageLayout.for_config(cfg)
+        if args.kernels == "pallas":
+            _check_pallas_config(cfg)
         self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels)
         self.S = args.max_num_seqs
         self.n_r2 = source_slots(cfg)[1].get("src_r2", 0)
@@ -116,8 +131,11 @@ class Runner:
     def _step(self, params, pools, inp: StepInputs, *, key: ProgramKey):
         cfg = self.cfg
         slots = inp.slots
-        state = {"pages": pools["pages"], "page_table": inp.page_table,
-                 "swa": _swa_unpack(cfg, pools["swa"][:, slots])}
+        state = {"pages": pools["pages"], "page_table": inp.page_table}
+        if self.ex.pallas:  # the kernels read the packed rings in place and write only the new entries
+            state.update(swa_pool=pools["swa"], slots=slots)
+        else:
+            state["swa"] = _swa_unpack(cfg, pools["swa"][:, slots])
         if self.n_r2:
             state["comp_kv"] = pools["comp_kv"][:, slots]
             state["comp_score"] = pools["comp_score"][:, slots]
@@ -126,7 +144,10 @@ class Runner:
         n_logits = T if key.all_logits else 1
         logits, state, _ = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec, n_logits=n_logits,
                                      ex=self.ex)
-        out = dict(pools, pages=state["pages"], swa=pools["swa"].at[:, slots].set(_swa_pack(cfg, state["swa"])))
+        if self.ex.pallas:
+            out = dict(pools, pages=state["pages"], swa=state["swa_pool"])
+        else:
+            out = dict(pools, pages=state["pages"], swa=pools["swa"].at[:, slots].set(_swa_pack(cfg, state["swa"])))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state["comp_kv"])
             out["comp_score"] = pools["comp_score"].at[:, slots].set(state["comp_score"])

@@ -14,6 +14,8 @@ from pallas_kernels.common import _widen_for_offsets
 from pallas_kernels.gemm import GemmBlock, matmul, ref_matmul
 from pallas_kernels.gemm.kernel import dequant_fp8
 
+INTERPRET = jax.default_backend() == "cpu"  # on a GPU (JAX_PLATFORMS=cuda) the kernels run compiled
+
 N, K, L = 64, 128, 3
 MS = (1, 5, 16, 40)
 
@@ -73,10 +75,10 @@ def test_ref_dequant_matches_model(data):
 def test_matmul_bf16_plain(data, M):
     x, wb, _, _ = data
     x = x[:M]
-    y = matmul(x, wb[1], interpret=True)
+    y = matmul(x, wb[1], interpret=INTERPRET)
     check_close(y, ref_matmul(x, wb[1]), x, wb[1])
     if M == 5:  # split K (4 partial sums) and small tiles
-        y = matmul(x, wb[1], interpret=True, block=GemmBlock(16, 16, 32, 4))
+        y = matmul(x, wb[1], interpret=INTERPRET, block=GemmBlock(16, 16, 32, 4))
         check_close(y, ref_matmul(x, wb[1]), x, wb[1])
 
 
@@ -85,13 +87,13 @@ def test_matmul_fp8_stacked_traced_layer(data, M):
     x, _, q, s = data
     x = x[:M]
     blk = GemmBlock(16, 32, 32, 2) if M in (5, 40) else None
-    f = jax.jit(lambda x, q, s, l: matmul(x, q, scale=s, layer=l, interpret=True, block=blk))
+    f = jax.jit(lambda x, q, s, l: matmul(x, q, scale=s, layer=l, interpret=INTERPRET, block=blk))
     for layer in (2, 0):
         wd = dequant_fp8(q[layer], s[layer])
         y = f(x, q, s, jnp.int32(layer))
         check_close(y, ref_matmul(x, q, scale=s, layer=jnp.int32(layer)), x, wd)
         # raw uint8 scale codes are accepted too
-        y2 = matmul(x, q, scale=jax.lax.bitcast_convert_type(s, jnp.uint8), layer=layer, interpret=True, block=blk)
+        y2 = matmul(x, q, scale=jax.lax.bitcast_convert_type(s, jnp.uint8), layer=layer, interpret=INTERPRET, block=blk)
         np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
 
@@ -104,7 +106,7 @@ def test_matmul_inside_scan_over_layers(data, fp8):
     @jax.jit
     def run(x, w, scale):
         def step(h, l):
-            return h, matmul(x, w, scale=scale, layer=l, interpret=True)
+            return h, matmul(x, w, scale=scale, layer=l, interpret=INTERPRET)
         return jax.lax.scan(step, 0, jnp.arange(L, dtype=jnp.int32))[1]
 
     ys = run(x, w, scale)
@@ -157,7 +159,7 @@ def test_matmul_fp8_prefill_rows(data):
     """M = 130 (not a multiple of the 64-row tile): three M tiles, the last one mostly padding."""
     _, _, q, s = data
     x = jax.random.normal(jax.random.key(1), (130, K), jnp.float32).astype(jnp.bfloat16)
-    y = matmul(x, q, scale=s, layer=jnp.int32(1), interpret=True)
+    y = matmul(x, q, scale=s, layer=jnp.int32(1), interpret=INTERPRET)
     wd = dequant_fp8(q[1], s[1])
     check_close(y, ref_matmul(x, wd), x, wd)
 

@@ -21,6 +21,8 @@ from dsv41_jax.rope import apply_rope, layer_freqs
 from pallas_kernels import common
 from pallas_kernels.indexer import kernel as K
 
+INTERPRET = jax.default_backend() == "cpu"  # on a GPU (JAX_PLATFORMS=cuda) the kernels run compiled
+
 HI, DI = 32, 128
 CFG = ModelConfig.preset("tiny", index_n_heads=HI, index_head_dim=DI)
 MAX_PAGES = 4
@@ -132,7 +134,7 @@ def test_kernel_full_scan(ratio, T):
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, T, nb))
     args = (q, w, state["pages"], state["page_table"], blocks, jnp.asarray(vis), region)
     want = _ref(*args, ratio=ratio)
-    got = K.index_scores_paged(*args, ratio=ratio, interpret=True, entries=64)
+    got = K.index_scores_paged(*args, ratio=ratio, interpret=INTERPRET, entries=64)
     _check(got, want)
     np.testing.assert_array_equal(np.isfinite(np.asarray(got)).sum(axis=-1), vis)
 
@@ -159,7 +161,7 @@ def test_kernel_candidate_subset(ratio, T):
     vis = np.array(lens, np.int32)[:, None] - np.arange(T - 1, -1, -1, dtype=np.int32)[None] * 5
     args = (q, w, state["pages"], state["page_table"], jnp.asarray(blocks), jnp.asarray(vis), region)
     want = _ref(*args, ratio=ratio)
-    got = K.index_scores_paged(*args, ratio=ratio, interpret=True, entries=64)
+    got = K.index_scores_paged(*args, ratio=ratio, interpret=INTERPRET, entries=64)
     _check(got, want)
     # the scored entries are exactly blocks*8+u below visible
     bb = np.broadcast_to(blocks, (B, T, nbc))
@@ -179,7 +181,7 @@ def test_kernel_ignores_poisoned_bytes_and_entry_tiles():
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (2, 1, nb))
     vis = jnp.asarray([[37], [130]], jnp.int32)
     got = K.index_scores_paged(q, w, state["pages"], state["page_table"], blocks, vis, region, ratio=ratio,
-                               interpret=True, entries=32)
+                               interpret=INTERPRET, entries=32)
     # poison everything except the written index-key bytes
     pages = np.asarray(state["pages"]).copy()
     keep = np.zeros_like(pages, bool)
@@ -190,7 +192,7 @@ def test_kernel_ignores_poisoned_bytes_and_entry_tiles():
             keep[table[b, e // n], off + (e % n) * eb: off + (e % n + 1) * eb] = True
     pages[~keep] = 0xFF
     got2 = K.index_scores_paged(q, w, jnp.asarray(pages), state["page_table"], blocks, vis, region, ratio=ratio,
-                                interpret=True, entries=128)
+                                interpret=INTERPRET, entries=128)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(got2))
     _check(got, _ref(q, w, state["pages"], state["page_table"], blocks, vis, region,
                                          ratio=ratio))

@@ -15,6 +15,8 @@ from pallas_kernels.moe import MoeBlock, grouped_matmul, pick_moe_block, ref_gro
 from pallas_kernels.moe.kernel import dequant_mxfp4, max_work_items
 from tests.kernels.test_gemm import triton_ir
 
+INTERPRET = jax.default_backend() == "cpu"  # on a GPU (JAX_PLATFORMS=cuda) the kernels run compiled
+
 E, N, K, L = 8, 64, 128, 2
 GROUPS = (3, 0, 21, 1, 0, 9, 0, 2)  # 36 rows: empty experts 1, 4, 6; expert 2 spans two 16-row tiles
 M = 40  # 4 padding rows
@@ -56,7 +58,7 @@ def test_grouped_stacked_traced_layer(data, fp4):
     x, wb, p, s = data
     gs = jnp.asarray(GROUPS, jnp.int32)
     w, scale = (p, s) if fp4 else (wb, None)
-    f = jax.jit(lambda x, w, s, g, l: grouped_matmul(x, w, g, scale=s, layer=l, interpret=True,
+    f = jax.jit(lambda x, w, s, g, l: grouped_matmul(x, w, g, scale=s, layer=l, interpret=INTERPRET,
                                                      block=MoeBlock(16, 32, 64)))
     for layer in (1, 0):
         wd = dequant_mxfp4(p[layer], s[layer]) if fp4 else wb[layer]
@@ -72,7 +74,7 @@ def test_grouped_unstacked_decode_rows(data, fp4):
     gs = jnp.asarray(sizes, jnp.int32)
     w, scale = (p[1], s[1]) if fp4 else (wb[1], None)
     wd = dequant_mxfp4(p[1], s[1]) if fp4 else wb[1]
-    y = grouped_matmul(x[:6], w, gs, scale=scale, interpret=True)
+    y = grouped_matmul(x[:6], w, gs, scale=scale, interpret=INTERPRET)
     check_close(y, ref_grouped_matmul(x[:6], w, gs, scale=scale), x[:6], wd, sizes)
 
 
@@ -96,8 +98,8 @@ def test_inactive_experts_never_read(data, fp4):
         w = wb[0]
         poisoned = dict(w=jnp.where(jnp.asarray(inactive)[:, None, None], jnp.nan, w).astype(jnp.bfloat16))
         clean = dict(w=w)
-    y0 = np.asarray(grouped_matmul(x, group_sizes=gs, interpret=True, block=blk, **clean))
-    y1 = np.asarray(grouped_matmul(x, group_sizes=gs, interpret=True, block=blk, **poisoned))
+    y0 = np.asarray(grouped_matmul(x, group_sizes=gs, interpret=INTERPRET, block=blk, **clean))
+    y1 = np.asarray(grouped_matmul(x, group_sizes=gs, interpret=INTERPRET, block=blk, **poisoned))
     assert np.all(np.isfinite(y1))
     np.testing.assert_array_equal(y1, y0)
     # the poison is visible to a kernel that reads every expert (the reference)
@@ -168,7 +170,7 @@ def test_grouped_many_rows_per_expert(data):
     sizes = (90, 0, 70, 31, 0, 0, 0, 0)
     x = jax.random.normal(jax.random.key(2), (200, K), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    y = grouped_matmul(x, p, gs, scale=s, layer=1, interpret=True, block=MoeBlock(64, 64, 128))
+    y = grouped_matmul(x, p, gs, scale=s, layer=1, interpret=INTERPRET, block=MoeBlock(64, 64, 128))
     check_close(y, ref_grouped_matmul(x, p, gs, scale=s, layer=1), x, dequant_mxfp4(p[1], s[1]), sizes)
 
 

@@ -1,0 +1,163 @@
+"""Microbenchmark cases of paged_sparse_attention at the full V4.1 decode shape (H=64, d=512, W=128, k=512,
+ratio 1, T=1), for B in {1, 8, 32} with the automatic launch configuration, plus launch-configuration variants
+for tuning on the H200.
+
+`cases()` -> list of dicts: name, fn_pallas, fn_xla (jitted callables taking *make_args()), make_args (builds
+random device arrays with a fixed seed: real-looking FP8 ring entries and FP4 latents in a page pool sized for
+8K tokens of context per sequence, 512 sorted distinct selections per row), bytes (the minimum HBM traffic of
+the op: the row's W-1 ring entries and its chunk row, the k selected latents, the selection indices and page
+table entries, q, sink and the bf16 output).
+
+`python -m pallas_kernels.sparse_attention.bench [--out FILE] [--only SUBSTR] [--chain N]` (GPU): for every case, checks
+the Pallas output against the XLA reference at the full shape (max error in bf16 ulps of each row's max|ref|,
+fraction bit-identical), times both (median over repetitions of a chain of calls inside one program, so the
+~35 us per-call dispatch is amortised) and prints a table last, with the bandwidth against 4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.sparse_attention.block_sizes import BlockSizes
+from pallas_kernels.sparse_attention.kernel import paged_sparse_attention
+
+H, D, W, K, RATIO, L = 64, 512, 128, 512, 1, 40
+CONTEXT = 8192
+PAGE_TOKENS = 64
+EB = D // 2 + D // 16  # 288
+E = D + D // 32  # 528
+# the full model's page: latent regions of the three ratio-2 sources and the ratio-1 source, then index keys
+REGION = 3 * 32 * EB
+PAGE_BYTES = 3 * 32 * EB + 64 * EB + 3 * 32 * 68 + 64 * 68  # 56960
+COPY_CEILING = 4.3e12  # H200 HBM copy bandwidth, B/s
+
+
+def make_args(B: int, T: int = 1, seed: int = 0):
+    key = jax.random.key(seed)
+    ks = jax.random.split(key, 8)
+    max_pages = CONTEXT // PAGE_TOKENS
+    n_pages = B * max_pages + 1
+    u8 = jnp.uint8
+    pages = jax.random.bits(ks[0], (n_pages, PAGE_BYTES), u8)
+    lat = pages[:, REGION:REGION + 64 * EB].reshape(n_pages, 64, EB)
+    sc = jax.random.randint(ks[1], (n_pages, 64, D // 16), 0x20, 0x50).astype(u8)  # E4M3 scales ~2^-4..2^2
+    pages = pages.at[:, REGION:REGION + 64 * EB].set(lat.at[..., D // 2:].set(sc).reshape(n_pages, -1))
+    ring = jax.random.bits(ks[2], (L, B + 1, W, E), u8)
+    ring = ring.at[..., :D].set(ring[..., :D] & 0xF7)  # |E4M3| <= 240, never NaN
+    ring = ring.at[..., D:].set(jax.random.randint(ks[3], (L, B + 1, W, D // 32), 118, 126).astype(u8))
+    table = (jax.random.permutation(ks[4], B * max_pages) + 1).reshape(B, max_pages).astype(jnp.int32)
+    pos0 = jnp.full((B,), CONTEXT - T, jnp.int32)
+    n_ent = CONTEXT // RATIO
+    scores = jax.random.uniform(ks[5], (B, T, n_ent))
+    sel = jnp.sort(jax.lax.top_k(scores, K)[1], axis=-1).astype(jnp.int32)
+    q = (jax.random.normal(ks[6], (B, T, H, D)) * 2).astype(jnp.bfloat16)
+    chunk = jax.random.normal(ks[7], (B, T, D)).astype(jnp.bfloat16)
+    sink = jnp.linspace(-1, 1, H, dtype=jnp.float32)
+    return (q, chunk, ring, jnp.int32(20), jnp.arange(B, dtype=jnp.int32), pos0, jnp.zeros((B,), jnp.int32), pages,
+            table, sel, jnp.int32(REGION), sink)
+
+
+def min_bytes(B: int, T: int = 1) -> int:
+    rows = B * T
+    keys = (W - T) * E * B + T * D * 2 * B + rows * K * EB  # ring entries read once per sequence for T <= W
+    meta = rows * K * 4 + B * (K // (PAGE_TOKENS // RATIO) + 1) * 4 + H * 4
+    io = 2 * rows * H * D * 2  # q in, o out (bf16)
+    return keys + meta + io
+
+
+def _fns(bs: BlockSizes | None):
+    kw = dict(ratio=RATIO, scale=D ** -0.5)
+    fp = jax.jit(functools.partial(paged_sparse_attention, **kw, implementation="pallas", block_sizes=bs))
+    fx = jax.jit(functools.partial(paged_sparse_attention, **kw, implementation="xla"))
+    return fp, fx
+
+
+def cases() -> list[dict]:
+    out = []
+    variants = [(B, None) for B in (1, 8, 32)]
+    variants += [(1, BlockSizes(block_h=16)), (8, BlockSizes(num_splits=2)), (32, BlockSizes(num_splits=1)),
+                 (32, BlockSizes(num_splits=2)), (32, BlockSizes(block_h=16, num_splits=1)),
+                 (32, BlockSizes(block_h=32, num_splits=2))]
+    for B, bs in variants:
+        fp, fx = _fns(bs)
+        tag = "auto" if bs is None else f"h{bs.block_h or 64}_s{bs.num_splits or 'auto'}"
+        out.append(dict(name=f"decode_b{B}_{tag}", fn_pallas=fp, fn_xla=fx,
+                        make_args=functools.partial(make_args, B), bytes=min_bytes(B)))
+    return out
+
+
+def _chain(fn, n: int):
+    """n dependent calls in one program: call i+1's sink depends on call i's output (a 64-float fusion)."""
+    def run(*args):
+        args = list(args)
+        o = None
+        for _ in range(n):
+            if o is not None:
+                args[11] = args[11] + 0.0 * o[0, 0, 0, 0].astype(jnp.float32)
+            o = fn(*args)
+        return o
+    return jax.jit(run)
+
+
+def _time(fn, args, n=10, reps=15):
+    chained = _chain(fn, n)
+    jax.block_until_ready(chained(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chained(*args))
+        ts.append((time.perf_counter() - t0) / n)
+    return float(np.median(ts))
+
+
+def _accuracy(got, want):
+    g = np.asarray(got, np.float32)
+    w = np.asarray(want, np.float32)
+    amax = np.abs(w).max(axis=(-2, -1), keepdims=True)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(amax, 1e-30))) - 7)
+    return float((np.abs(g - w) / ulp).max()), float((g == w).mean()), bool(np.isfinite(g).all())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="results JSON (bench.common.write_result)")
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--chain", type=int, default=10, help="dependent calls per timed program")
+    ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median)")
+    a = ap.parse_args(argv)
+    rows, results = [], {}
+    for c in cases():
+        if a.only not in c["name"]:
+            continue
+        args = c["make_args"]()
+        t0 = time.perf_counter()
+        got = jax.block_until_ready(c["fn_pallas"](*args))
+        compile_s = time.perf_counter() - t0
+        err, exact, finite = _accuracy(got, c["fn_xla"](*args))
+        tp, tx = _time(c["fn_pallas"], args, a.chain, a.reps), _time(c["fn_xla"], args, a.chain, a.reps)
+        res = dict(pallas_us=tp * 1e6, xla_us=tx * 1e6, bytes=c["bytes"], pallas_bw_frac=c["bytes"] / tp / COPY_CEILING,
+                   max_err_ulp_rowmax=err, exact_frac=exact, finite=finite, first_call_s=compile_s)
+        results[c["name"]] = res
+        rows.append((c["name"], res))
+        del args
+    if a.out:
+        from bench.common import write_result
+        cmd = "python -m pallas_kernels.sparse_attention.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        write_result(a.out, results, cmd)
+    print(f"{'case':28s} {'pallas us':>10s} {'xla us':>9s} {'MB':>7s} {'%4.3TB/s':>9s} {'err ulp':>8s} "
+          f"{'exact':>6s} {'1st s':>6s}")
+    for name, r in rows:
+        print(f"{name:28s} {r['pallas_us']:10.1f} {r['xla_us']:9.1f} {r['bytes'] / 1e6:7.2f} "
+              f"{100 * r['pallas_bw_frac']:8.1f}% {r['max_err_ulp_rowmax']:8.2f} {r['exact_frac']:6.3f} "
+              f"{r['first_call_s']:6.1f}" + ("" if r["finite"] else "  NON-FINITE"))
+
+
+if __name__ == "__main__":
+    main()
