@@ -127,15 +127,18 @@ def measure(engine, B, context, steps, warmup, rng):
     for _ in range(warmup):
         engine.step()
     ts = []
+    h0 = dict(engine.host_time)
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         ts.append(time.perf_counter() - t0)
+    h1 = engine.host_time
+    host_ms = 1000 * ((h1["step_s"] - h0["step_s"]) - (h1["wait_s"] - h0["wait_s"])) / steps
     for r in reqs:
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    return ts
+    return ts, host_ms
 
 
 def main(argv=None):
@@ -147,8 +150,11 @@ def main(argv=None):
     ap.add_argument("--contexts", default="2048,8192,32768")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--xla-batches", default=None, help="batches for the xla side (default: --batches)")
+    ap.add_argument("--budget", type=float, default=0, help="stop starting new configurations after this many s")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
+    t_start = time.perf_counter()
     import jax
 
     import checkpoints
@@ -166,37 +172,45 @@ def main(argv=None):
     jax.block_until_ready(params)
     print(f"params ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     mml = -(-(max(contexts) + a.steps + a.warmup + 64) // 64) * 64
-    S = max(batches)
     rows = []
     rng = np.random.default_rng(0)
+    def save():
+        if a.out:
+            from bench.common import write_result
+
+            write_result(a.out, {"rows": rows}, "python -m bench.decode_itl " + " ".join(
+                argv if argv is not None else sys.argv[1:]))
+
     for impl in a.kernels.split(","):
-        args = EngineArgs(max_model_len=mml, max_num_seqs=S, max_num_batched_tokens=cfg.window_size,
-                          prefill_buckets=(cfg.window_size,), decode_buckets=tuple(batches), kernels=impl,
+        bl = [int(x) for x in a.xla_batches.split(",")] if (impl == "xla" and a.xla_batches) else batches
+        args = EngineArgs(max_model_len=mml, max_num_seqs=max(bl), max_num_batched_tokens=cfg.window_size,
+                          prefill_buckets=(cfg.window_size,), decode_buckets=tuple(bl), kernels=impl,
                           enable_prompt_logprobs=False, enable_prefix_caching=False,
-                          num_pages=1 + S * pages_for(mml))
+                          num_pages=1 + max(bl) * pages_for(mml))
         t0 = time.perf_counter()
         eng = Engine(cfg, args, params=params, progress=True, programs=lambda k: k.kind == "decode")
         build = time.perf_counter() - t0
         fill_pools(eng)
-        for B in batches:
+        for B in bl:
             for C in contexts:
-                ts = measure(eng, B, C, a.steps, a.warmup, rng)
+                if a.budget and time.perf_counter() - t_start > a.budget:
+                    print(f"budget exhausted: skipping {impl} B={B} context={C}", file=sys.stderr, flush=True)
+                    continue
+                ts, host_ms = measure(eng, B, C, a.steps, a.warmup, rng)
                 roof = roofline_bytes(cfg, B, C)
                 row = {"preset": a.preset, "weight_format": cfg.weight_format, "kernels": impl, "batch": B,
                        "context": C, "itl_ms": round(1000 * statistics.median(ts), 3),
                        "itl_ms_p90": round(1000 * float(np.percentile(ts, 90)), 3),
-                       "roofline_ms": round(roof["total"] / COPY_GBS / 1e6, 3),
+                       "host_ms_per_step": round(host_ms, 3),
+                       "roofline_ms": round(roof["total"] / COPY_GBS / 1e6, 4),
                        "roofline_bytes": int(roof["total"]), "kv_bytes": int(roof["kv"]),
                        "active_experts": round(roof["active_experts"], 2), "engine_build_s": round(build, 1)}
-                row["over_roofline"] = round(row["itl_ms"] / row["roofline_ms"], 2)
+                row["over_roofline"] = round(row["itl_ms"] / max(row["roofline_ms"], 1e-9), 2)
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
+                save()
         del eng
-    if a.out:
-        from bench.common import write_result
-
-        write_result(a.out, {"rows": rows}, "python -m bench.decode_itl " + " ".join(
-            argv if argv is not None else sys.argv[1:]))
+    save()
     print(f"{'fmt':>5} {'kernels':>7} {'B':>3} {'context':>7} {'ITL ms':>8} {'roof ms':>8} {'x roof':>6}")
     for r in rows:
         print(f"{r['weight_format']:>5} {r['kernels']:>7} {r['batch']:>3} {r['context']:>7} {r['itl_ms']:>8} "

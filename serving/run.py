@@ -55,12 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the model name in the API (None: the preset name or the checkpoint directory name)")
     g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file or string (None: the tokenizer's, else a built-in one)")
+                   help="a Jinja chat template file or string, or dsv41 (None: the tokenizer's, else the built-in "
+                        "DeepSeek-V4.1 encoding)")
     g.add_argument("--seed", type=int, default=_D.seed, help="seed for random weights and default sampling seeds")
 
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (None: min(model max_seq_len, 1024))")
+                   help="longest prompt + output in tokens (None: min(model max_seq_len, 1024)); a preset's random "
+                        "weights accept any length")
     g.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens,
                    help="token budget of one engine step (must be >= the sliding window)")
@@ -112,6 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests may take to finish")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="logging level (logs go to stderr; the ready lines to stdout)")
+
+    g = p.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" parse the model\'s tool calls into tool_calls (needs '
+                        '--tool-call-parser); "required" and named functions work without it')
+    g.add_argument("--tool-call-parser", choices=("deepseek_v41",), default=None,
+                   help="the tool-call syntax to parse: deepseek_v41 (DSML <｜DSML｜ calls> blocks)")
+
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (HTTP) and 'authorization' metadata (gRPC); "
+                        "repeat for several keys; each key is its own prefix-cache namespace. Default: the "
+                        "VLLM_API_KEY environment variable, else no authentication")
+    g.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for HTTP and gRPC")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="CA certificates (PEM): clients must present a certificate they signed (mutual TLS)")
+    g.add_argument("--max-requests-per-key", type=int, default=0,
+                   help="open requests per API key beyond which new ones get 429 / RESOURCE_EXHAUSTED (0: no cap)")
+    g.add_argument("--max-queued-tokens-per-key", type=int, default=0,
+                   help="queued (not yet running) prompt tokens per API key beyond which new requests get 429 / "
+                        "RESOURCE_EXHAUSTED (0: no cap)")
     return p
 
 
@@ -151,7 +176,6 @@ def build(a: argparse.Namespace):
     import jax
 
     from dsv41_jax.config import ModelConfig
-    from serving.api.server import ServerConfig
     from serving.engine.engine import Engine, load_model
     from serving.tokenizer import load_tokenizer
 
@@ -165,12 +189,18 @@ def build(a: argparse.Namespace):
         os.makedirs(cache, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+    server_config(a)  # validate the server flags before any expensive work
     if is_preset:  # validate the flags before any expensive work
-        engine_args(a, ModelConfig.preset(a.model).max_seq_len, on_cpu).resolved(ModelConfig.preset(a.model))
+        longest = max(a.max_model_len or 0, ModelConfig.preset(a.model).max_seq_len)
+        preset = ModelConfig.preset(a.model, max_seq_len=longest)
+        engine_args(a, preset.max_seq_len, on_cpu).resolved(preset)
     t0 = time.perf_counter()
     log.info("loading %s (backend %s)", a.model, jax.default_backend())
     kw = {"weight_format": a.weight_format} if a.weight_format else {}
-    cfg, params = load_model(a.model, a.seed, **kw)
+    model = a.model
+    if is_preset and a.max_model_len and a.max_model_len > ModelConfig.preset(a.model).max_seq_len:
+        model = ModelConfig.preset(a.model, max_seq_len=a.max_model_len)  # random weights: any context length
+    cfg, params = load_model(model, a.seed, **kw)
     args = engine_args(a, cfg.max_seq_len, on_cpu)
     spec = _tokenizer_spec(a)
     if spec == "byte" and cfg.vocab_size < 256:
@@ -182,10 +212,33 @@ def build(a: argparse.Namespace):
     log.info("engine ready: %d programs in %.1f s (compilation cache: %s)", engine.runner.compile_count,
              engine.warmup_s, cache or "off")
     name = a.served_model_name or (a.model if is_preset else os.path.basename(os.path.normpath(a.model)))
-    config = ServerConfig(host=a.host, port=a.port, grpc_port=a.grpc_port, served_model_name=name,
-                          aliases={a.model, cfg.name}, chat_template=a.chat_template,
-                          max_request_bytes=a.max_request_bytes, shutdown_timeout=a.shutdown_timeout)
+    config = server_config(a, name, {a.model, cfg.name})
     return engine, config
+
+
+def server_config(a: argparse.Namespace, name: str | None = None, aliases=()):
+    """The ServerConfig of the parsed flags (validated before the model loads)."""
+    from serving.api.security import keys_from
+    from serving.api.server import ServerConfig
+
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (deepseek_v41)")
+    if bool(a.ssl_certfile) != bool(a.ssl_keyfile):
+        raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if a.ssl_ca_certs and not a.ssl_certfile:
+        raise ValueError("--ssl-ca-certs (mutual TLS) needs --ssl-certfile and --ssl-keyfile")
+    for f in (a.ssl_certfile, a.ssl_keyfile, a.ssl_ca_certs):
+        if f and not os.path.isfile(f):
+            raise FileNotFoundError(f"no such file: {f}")
+    if a.max_requests_per_key < 0 or a.max_queued_tokens_per_key < 0:
+        raise ValueError("per-key limits must be >= 0")
+    return ServerConfig(host=a.host, port=a.port, grpc_port=a.grpc_port, served_model_name=name,
+                        aliases=set(aliases), chat_template=a.chat_template, max_request_bytes=a.max_request_bytes,
+                        shutdown_timeout=a.shutdown_timeout, enable_auto_tool_choice=a.enable_auto_tool_choice,
+                        tool_call_parser=a.tool_call_parser, api_keys=keys_from(a.api_key).keys,
+                        protect_metrics=a.protect_metrics, ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
+                        ssl_ca_certs=a.ssl_ca_certs, max_requests_per_key=a.max_requests_per_key,
+                        max_queued_tokens_per_key=a.max_queued_tokens_per_key)
 
 
 def main(argv=None) -> int:

@@ -66,7 +66,7 @@ def test_completion_nonstream_and_stream_agree(client):
     b = client.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text  # greedy is deterministic
     assert a.choices[0].finish_reason == "length"
-    assert a.usage.prompt_tokens == len(b"Hello, world") and a.usage.completion_tokens == 8
+    assert a.usage.prompt_tokens == 1 + len(b"Hello, world") and a.usage.completion_tokens == 8  # BOS (vLLM default)
     assert a.usage.total_tokens == a.usage.prompt_tokens + 8
     assert a.usage.prompt_tokens_details.cached_tokens == 0
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
@@ -146,7 +146,7 @@ def test_batched_prompts_and_n(client):
     r = client.completions.create(model="tiny", prompt=["ab", "cde"], n=2, max_tokens=3, extra_body=NO_EOS,
                                   temperature=1.0, seed=3)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
-    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == 2 + 5 and r.usage.completion_tokens == 12  # a BOS per text prompt
     toks = client.completions.create(model="tiny", prompt=[[65, 66], [67]], max_tokens=2,
                                      extra_body={"return_token_ids": True, **NO_EOS})
     assert len(toks.choices) == 2 and toks.usage.prompt_tokens == 3
@@ -191,14 +191,17 @@ def test_echo_logprobs_max_tokens_zero_lm_eval_style(client):
         assert choice.finish_reason == "length"
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 12
     text = client.completions.create(model="tiny", prompt="Hello", max_tokens=0, echo=True, logprobs=0)
-    assert text.choices[0].text == "Hello" and text.choices[0].logprobs.tokens == list("Hello")
+    assert text.choices[0].text == "Hello" and text.choices[0].logprobs.tokens == ["<256>"] + list("Hello")
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=0, echo=True, logprobs=0,
+                                      extra_body={"add_special_tokens": False})
+    assert plain.choices[0].logprobs.tokens == list("Hello") and plain.usage.prompt_tokens == 5
 
 
 def test_vllm_prompt_logprobs_field(client):
     r = client.completions.create(model="tiny", prompt="Hey", max_tokens=0, extra_body={"prompt_logprobs": 2})
     plp = r.choices[0].model_extra["prompt_logprobs"]
-    assert plp[0] is None and len(plp) == 3
-    for t, entry in zip(b"ey", plp[1:]):
+    assert plp[0] is None and len(plp) == 4  # BOS + 3 bytes
+    for t, entry in zip(b"Hey", plp[1:]):
         assert str(t) in entry and 2 <= len(entry) <= 3
         assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None)[:2] == [1, 2]
 
@@ -216,7 +219,7 @@ def test_echo_logprobs_with_generation(client):
     kw = dict(model="tiny", prompt="Hey", max_tokens=2, echo=True, logprobs=1, extra_body=NO_EOS, **GREEDY)
     r = client.completions.create(**kw)
     c = r.choices[0]
-    assert c.text.startswith("Hey") and len(c.logprobs.tokens) == 3 + 2
+    assert c.text.startswith("Hey") and len(c.logprobs.tokens) == 1 + 3 + 2
     assert c.logprobs.token_logprobs[0] is None and all(v <= 0 for v in c.logprobs.token_logprobs[1:])
     streamed = list(client.completions.create(stream=True, **kw))
     assert "".join(x.choices[0].text for x in streamed if x.choices) == c.text
@@ -415,7 +418,7 @@ def test_oversized_body_and_routing_errors(server):
     status, resp = http(server, "/v1/nothing-here", {"a": 1})
     assert status == 404 and resp["error"]["code"] == 404
     status, resp = http(server, "/v1/completions", method="GET")
-    assert status == 405
+    assert status == 405 and resp["error"]["code"] == 405
     assert_healthy(server)
 
 

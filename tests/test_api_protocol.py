@@ -35,17 +35,22 @@ def test_parse_reports_field_and_value():
     assert "temperature" in e.value.message and "'hot'" in e.value.message and e.value.status == 400
 
 
-def test_builtin_chat_template_is_append_only():
+def test_builtin_chat_template_is_dsv41_and_append_only():
     chat = ChatTemplate(ByteTokenizer(512))
-    assert chat.origin == "built-in"
+    assert chat.origin == "dsv41"
     turn1 = [{"role": "system", "content": "sys"}, {"role": "user", "content": "héllo"}]
-    _, ids1 = chat.encode(turn1)
+    text1, ids1 = chat.encode(turn1)
+    assert text1 == "<｜System｜>sys<｜User｜>héllo<｜Assistant｜></think>" and ids1[0] == 256
+    assert ids1[1:] == list(text1.encode())
     turn2 = turn1 + [{"role": "assistant", "content": "reply"}, {"role": "user", "content": "more"}]
     text2, ids2 = chat.encode(turn2)
-    assert ids1[0] == 256 and ids2[:len(ids1)] == ids1
-    assert text2.endswith("<|assistant|>\n")
+    assert ids2[:len(ids1)] == ids1
+    assert text2.endswith("</think>reply<｜end▁of▁sentence｜><｜User｜>more<｜Assistant｜></think>")
     text, _ = chat.encode(turn2[:3], add_generation_prompt=False, continue_final_message=True)
-    assert text.endswith("reply")
+    assert text.endswith("</think>reply")
+    think, _ = chat.encode(turn1, kwargs={"thinking": True, "reasoning_effort": "max"})
+    assert think.startswith("<｜System｜>Reasoning Effort: 100 (range 1-100")
+    assert think.endswith("<｜Assistant｜><think>")
 
 
 def test_custom_template_helpers_and_errors():

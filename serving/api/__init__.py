@@ -4,7 +4,9 @@
 |---|---|
 | `engine_client` | the engine loop thread and the asyncio client both front ends share |
 | `protocol` | OpenAI / vLLM request schemas and server-side validation |
-| `chat_template` | chat messages -> prompt (tokenizer's Jinja template or a built-in one) |
+| `chat_template` | chat messages (+ tools) -> prompt (the DeepSeek-V4.1 encoding, or a Jinja template) |
+| `dsml` | V4.1 tool calls: render, parse (streamed and whole), the grammar that forces them |
+| `security` | API keys, per-key tenancy (cache salt, scoped ids) and limits, TLS |
 | `openai_format` | response bodies: choices, logprobs formats, usage |
 | `http_server` | aiohttp routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics |
 | `grpc_server` | grpc.aio service dsv41.v1.Inference, health, reflection |

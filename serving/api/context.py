@@ -1,7 +1,9 @@
-"""What the HTTP and gRPC front ends share: the engine client, tokenizer, chat template, metrics, limits."""
+"""What the HTTP and gRPC front ends share: the engine client, tokenizer, chat template, metrics, limits,
+API keys and per-key limits, the grammar compiler for structured outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -9,7 +11,9 @@ from serving.api.chat_template import ChatTemplate
 from serving.api.engine_client import EngineClient
 from serving.api.metrics import ApiMetrics
 from serving.api.protocol import ApiError, bad
+from serving.api.security import ANONYMOUS, ApiKeys, KeyLimiter, Tenant
 from serving.engine.block_hash import BLOCK
+from serving.engine.structured import GrammarCompiler, GrammarError, StructuredOutputs
 
 MAX_ID_LEN = 512
 
@@ -28,6 +32,42 @@ class ServerContext:
     aliases: set[str] = field(default_factory=set)  # other names accepted in the `model` field
     max_request_bytes: int = 1 << 20
     created: int = field(default_factory=lambda: int(time.time()))
+    auto_tools: bool = False  # --enable-auto-tool-choice with --tool-call-parser
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys([]))
+    protect_metrics: bool = False  # /metrics needs a key too
+    limiter: KeyLimiter = field(default_factory=KeyLimiter)
+    _grammars: GrammarCompiler | None = None
+
+    # ------------------------------------------------------------------ access control
+    def needs_key(self, path: str) -> bool:
+        return bool(self.api_keys) and (path.startswith(("/v1", "/engine/")) or
+                                        (self.protect_metrics and path == "/metrics"))
+
+    def authenticate(self, path: str, authorization: str | None) -> Tenant:
+        """The caller's tenant for an HTTP path (401 when the path needs a key and none matches)."""
+        if not self.needs_key(path):
+            return ANONYMOUS
+        key = self.api_keys.match(authorization)
+        if key is None:
+            raise ApiError(401, "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return Tenant.of(key)
+
+    # ------------------------------------------------------------------ structured outputs
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.engine.model_info()["eos_token_ids"])
+        return self._grammars
+
+    async def compile_grammar(self, spec: StructuredOutputs):
+        """Compile off the event loop (llguidance releases the GIL); 400 on a bad constraint."""
+        if not self.has_tokenizer:
+            raise bad("structured outputs need a tokenizer (this server runs with --tokenizer none)")
+        try:
+            await asyncio.to_thread(self.grammars.compile, spec)
+        except GrammarError as e:
+            raise bad(str(e)) from None
 
     @property
     def engine(self):

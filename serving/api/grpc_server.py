@@ -2,8 +2,11 @@
 
 Handlers take the raw request bytes and parse them here, so a malformed message (including invalid UTF-8
 in a string field) is answered with INVALID_ARGUMENT instead of grpc's generic deserialization error.
-Status codes: INVALID_ARGUMENT (bad input), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (draining),
-INTERNAL (the engine failed the request). Cancelling a Generate call aborts the request in the engine.
+Status codes: INVALID_ARGUMENT (bad input), UNAUTHENTICATED (API keys on and no valid `authorization: Bearer`
+metadata; health and reflection stay open), RESOURCE_EXHAUSTED (queue full or a per-key limit, with a
+`retry-after` trailer), UNAVAILABLE (draining), INTERNAL (the engine failed the request). Cancelling a Generate
+call aborts the request in the engine. With API keys, request and session ids, cache salts and Abort are scoped
+to the caller's key (serving/api/security.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from serving.api.context import ServerContext
 from serving.api.engine_client import EngineError, GenRequest, QueueFull, ServerDraining
 from serving.api.protocol import ApiError, check_prompt_ids, check_unicode
+from serving.api.security import ANONYMOUS, LimitedStream, LimitExceeded, Tenant
+from serving.engine.structured import StructuredOutputs
 from serving.engine.types import MAX_LOGPROBS, SamplingParams
 from serving.proto import inference_pb2 as pb
 
@@ -45,6 +50,8 @@ def sampling_from_proto(p: pb.SamplingParams, vocab_size: int, has_tokenizer: bo
         prompt_logprobs=_opt(p, "prompt_logprobs", None), include_stop_str_in_output=p.include_stop_str_in_output)
     if sp.top_k == 0:
         sp.top_k = -1
+    if p.HasField("structured_outputs"):
+        sp.structured = structured_from_proto(p.structured_outputs)
     if sp.max_tokens < 0:
         raise _Invalid(f"sampling_params.max_tokens must be at least 0, got {sp.max_tokens}")
     if sp.stop and not has_tokenizer:
@@ -60,13 +67,33 @@ def sampling_from_proto(p: pb.SamplingParams, vocab_size: int, has_tokenizer: bo
     return sp
 
 
-def _position(tid: int, d: dict[int, float] | None) -> pb.PositionLogprobs:
+def structured_from_proto(s: pb.StructuredOutputs) -> StructuredOutputs:
+    kind = s.WhichOneof("constraint")
+    if kind is None:
+        raise _Invalid("sampling_params.structured_outputs has no constraint set")
+    if kind == "json_schema":
+        import json
+
+        try:
+            return StructuredOutputs(json=json.loads(s.json_schema))
+        except json.JSONDecodeError as e:
+            raise _Invalid(f"structured_outputs.json_schema is not valid JSON: {e.msg}") from None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "choice":
+        return StructuredOutputs(choice=list(s.choice.values))
+    return StructuredOutputs(**{kind: getattr(s, kind)})
+
+
+def _position(tid: int, d: dict[int, float] | None, n: int) -> pb.PositionLogprobs:
+    """The actual token, then exactly the n most likely ones (the engine's dict holds the top-n plus the actual
+    token when it is not among them)."""
     out = pb.PositionLogprobs()
     if d is None:
         return out
     out.token.token_id = tid
     out.token.logprob = d.get(tid, float("-inf"))
-    for k, v in sorted(d.items(), key=lambda kv: -kv[1]):
+    for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]:
         out.top.add(token_id=k, logprob=v)
     return out
 
@@ -114,10 +141,21 @@ class GrpcApi:
     def _done(self, method: str, code: grpc.StatusCode):
         self.ctx.metrics.request_done("grpc", method, code.name)
 
+    async def _tenant(self, context, method: str) -> Tenant:
+        """The caller's tenant from the `authorization` metadata (UNAUTHENTICATED without a valid key)."""
+        if not self.ctx.api_keys:
+            return ANONYMOUS
+        auth = dict(context.invocation_metadata() or ()).get("authorization")
+        key = self.ctx.api_keys.match(auth)
+        if key is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required (metadata authorization: Bearer <key>)")
+        return Tenant.of(key)
+
     # ------------------------------------------------------------------ Generate
-    def _build(self, req: pb.GenerateRequest) -> GenRequest:
+    def _build(self, req: pb.GenerateRequest, tenant: Tenant = ANONYMOUS) -> GenRequest:
         ctx = self.ctx
-        rid = req.request_id or f"grpc-{uuid.uuid4().hex}"
+        rid = tenant.scoped(req.request_id or f"grpc-{uuid.uuid4().hex}")
         for name, v in (("request_id", req.request_id), ("session_id", req.session_id),
                         ("cache_salt", req.cache_salt)):
             if len(v) > 512:
@@ -143,7 +181,7 @@ class GrpcApi:
         if len(ids) + max(sp.max_tokens, 1) > L:
             raise _Invalid(f"this model's maximum context length is {L} tokens; the request has {len(ids)} prompt "
                            f"tokens and max_tokens={sp.max_tokens}")
-        return GenRequest(rid, ids, sp, req.session_id or None, req.cache_salt or None)
+        return GenRequest(rid, ids, sp, tenant.scoped(req.session_id or None), tenant.salt(req.cache_salt or None))
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext):
         m = self.ctx.metrics
@@ -162,28 +200,42 @@ class GrpcApi:
             self._done("Generate", code)
 
     async def _generate(self, raw: bytes, context):
+        tenant = await self._tenant(context, "Generate")
         req = await self._parse(raw, pb.GenerateRequest, context)
         try:
-            gen = self._build(req)
+            gen = self._build(req, tenant)
+            if gen.params.structured is not None:
+                await self.ctx.compile_grammar(gen.params.structured)
         except _Invalid as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ApiError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
         try:
-            stream = await self.ctx.client.submit([gen])
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is overloaded: {e}; retry later")
-        except ServerDraining as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except EngineError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = gen.request_id
+            ticket = self.ctx.limiter.admit(tenant, {gen.request_id: len(gen.prompt_token_ids)})
+        except LimitExceeded as e:
+            context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            stream = LimitedStream(await self.ctx.client.submit([gen]), ticket)
+        except BaseException as e:
+            ticket.close()
+            if isinstance(e, QueueFull):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is overloaded: {e}; retry later")
+            if isinstance(e, ServerDraining):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if isinstance(e, EngineError):
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            if isinstance(e, ValueError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        rid = tenant.unscoped(gen.request_id)  # what the client sent (or the id picked for it)
+        n_lp, n_plp = gen.params.logprobs or 0, gen.params.prompt_logprobs or 0
         try:
             async for out in stream:
                 if out.new_token_ids or out.new_text:
                     chunk = pb.Chunk(token_ids=out.new_token_ids, text=out.new_text)
                     for t, d in zip(out.new_token_ids, out.new_logprobs or []):
-                        chunk.logprobs.append(_position(t, d))
+                        chunk.logprobs.append(_position(t, d, n_lp))
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk)
                 if out.finished:
                     self.ctx.metrics.finished(out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
@@ -191,9 +243,13 @@ class GrpcApi:
                                        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                                       completion_tokens=out.num_output_tokens,
                                                       cached_tokens=out.num_cached_tokens))
+                    if isinstance(out.stop_reason, str):
+                        done.stop_str = out.stop_reason
+                    elif out.stop_reason is not None:
+                        done.stop_token_id = out.stop_reason
                     if out.prompt_logprobs is not None:
                         for t, d in zip(gen.prompt_token_ids, out.prompt_logprobs):
-                            done.prompt_logprobs.append(_position(t, d))
+                            done.prompt_logprobs.append(_position(t, d, n_plp))
                     yield pb.GenerateResponse(request_id=rid, complete=done)
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
@@ -201,16 +257,26 @@ class GrpcApi:
             stream.abort()  # client cancel (CancelledError) or any failure: free the request's pages
 
     # ------------------------------------------------------------------ unary RPCs
+    async def _unary_tenant(self, context, method: str) -> Tenant:
+        try:
+            return await self._tenant(context, method)
+        except BaseException:
+            self._done(method, grpc.StatusCode.UNAUTHENTICATED)
+            raise
+
     async def abort(self, raw: bytes, context):
+        tenant = await self._unary_tenant(context, "Abort")
         req = await self._parse(raw, pb.AbortRequest, context)
         if not req.request_id:
             self._done("Abort", grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        aborted = await self.ctx.client.call(lambda eng: eng.abort(req.request_id))
+        rid = tenant.scoped(req.request_id)  # only the caller's own requests
+        aborted = await self.ctx.client.call(lambda eng: eng.abort(rid))
         self._done("Abort", grpc.StatusCode.OK)
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def get_model_info(self, raw: bytes, context):
+        await self._unary_tenant(context, "GetModelInfo")
         await self._parse(raw, pb.GetModelInfoRequest, context)
         info = self.ctx.model_info()
         bos = info.get("bos_token_id")

@@ -9,11 +9,17 @@ Routes:
   GET  /engine/stats           JSON: page pool, queues, counters (read on the engine thread)
   GET  /version
 
-Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 bad input, 404 unknown
-model or route, 413 body too large, 503 queue full or shutting down, 500 engine failure. vLLM extensions
-accepted in bodies: ignore_eos, top_k, min_p, stop_token_ids, include_stop_str_in_output, prompt_logprobs,
-return_tokens_as_token_ids, return_token_ids, cache_salt, session_id (also the X-Session-Id header, or
-X-Correlation-ID), request_id.
+Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 missing or wrong
+API key (/v1/*, /engine/*, and /metrics with --protect-metrics), 404 unknown model or route, 405 wrong method
+(with `Allow`), 413 body too large, 429 a per-key limit (with `Retry-After`), 503 queue full or shutting down,
+500 engine failure. vLLM extensions accepted in bodies: ignore_eos, top_k, min_p, stop_token_ids,
+include_stop_str_in_output, prompt_logprobs, return_tokens_as_token_ids, return_token_ids, cache_salt,
+session_id (also the X-Session-Id header, or X-Correlation-ID), request_id, structured_outputs (and guided_*).
+
+Chat tool calls: `tools` go to the chat template; with tool_choice auto (--enable-auto-tool-choice), required or
+a named function the output is parsed for DSML tool calls (serving/api/dsml.py) into `tool_calls`, streamed as
+deltas; required / named are enforced by the tool-call grammar. Stop strings never leak (the engine holds back
+text that could still start one) and `stop_reason` carries the matched stop string or stop token id.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import uuid
 
 from aiohttp import web
 
+from serving.api import dsml
 from serving.api import openai_format as fmt
 from serving.api.chat_template import TemplateError
 from serving.api.context import ServerContext, engine_stats
@@ -43,15 +50,20 @@ from serving.api.protocol import (
     completion_prompts,
     parse,
     resolve_max_tokens,
+    structured_outputs,
+    tool_choice,
 )
+from serving.api.security import ANONYMOUS, LimitedStream, LimitExceeded
+from serving.engine.structured import StructuredOutputs
 
 log = logging.getLogger("serving.api.http")
 
+TENANT = web.RequestKey("tenant", object) if hasattr(web, "RequestKey") else "tenant"  # the caller's Tenant
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _error_response(e: ApiError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
+    return web.json_response(e.body(), status=e.status, headers=e.headers)
 
 
 def _sse(obj) -> bytes:
@@ -82,6 +94,7 @@ class HttpApi:
         m.enter("http")
         code = 500
         try:
+            request[TENANT] = self.ctx.authenticate(request.path, request.headers.get("Authorization"))
             resp = await handler(request)
             code = resp.status
             return resp
@@ -92,7 +105,11 @@ class HttpApi:
             return _error_response(e)
         except web.HTTPException as e:  # router errors (404, 405) as OpenAI-style JSON
             code = e.status
-            return _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}"))
+            headers = {}
+            if isinstance(e, web.HTTPMethodNotAllowed):
+                headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+            return _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
+                                            headers=headers))
         except asyncio.CancelledError:
             code = 499  # the client went away
             raise
@@ -161,17 +178,31 @@ class HttpApi:
         s = req.session_id or request.headers.get("X-Session-Id") or request.headers.get("X-Correlation-ID")
         return self.ctx.check_id(s, "session_id")
 
-    async def _submit(self, subs: list[GenRequest]):
+    async def _submit(self, subs: list[GenRequest], tenant=ANONYMOUS) -> LimitedStream:
+        """Admit against the key's limits (429), then queue in the engine (503 / 500 / 400)."""
         try:
-            return await self.ctx.client.submit(subs)
-        except QueueFull as e:
-            raise ApiError(503, f"the server is overloaded: {e}; retry later") from None
-        except ServerDraining as e:
-            raise ApiError(503, str(e)) from None
-        except EngineError as e:
-            raise ApiError(500, str(e)) from None
-        except ValueError as e:
-            raise bad(str(e)) from None
+            ticket = self.ctx.limiter.admit(tenant, {s.request_id: len(s.prompt_token_ids) for s in subs})
+        except LimitExceeded as e:
+            raise ApiError(429, str(e), headers={"Retry-After": str(e.retry_after)}) from None
+        try:
+            stream = await self.ctx.client.submit(subs)
+        except BaseException as e:
+            ticket.close()
+            if isinstance(e, QueueFull):
+                raise ApiError(503, f"the server is overloaded: {e}; retry later") from None
+            if isinstance(e, ServerDraining):
+                raise ApiError(503, str(e)) from None
+            if isinstance(e, EngineError):
+                raise ApiError(500, str(e)) from None
+            if isinstance(e, ValueError):
+                raise bad(str(e)) from None
+            raise
+        return LimitedStream(stream, ticket)
+
+    async def _constraint(self, so: StructuredOutputs | None) -> StructuredOutputs | None:
+        if so is not None:
+            await self.ctx.compile_grammar(so)
+        return so
 
     def _base_id(self, req, prefix: str) -> str:
         return req.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -214,6 +245,7 @@ class HttpApi:
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, request: web.Request):
         ctx = self.ctx
+        tenant = request.get(TENANT, ANONYMOUS)
         req: CompletionRequest = parse(CompletionRequest, await self._body(request))
         ctx.check_model(req.model)
         check_ids(req)
@@ -223,31 +255,33 @@ class HttpApi:
             raise bad("suffix is not supported", "suffix")
         prompts = completion_prompts(req.prompt)
         check_n(req, len(prompts))
-        session = self._session(request, req)
+        session = tenant.scoped(self._session(request, req))
+        constraint = await self._constraint(structured_outputs(req))
         want_plp = req.echo and req.logprobs is not None
         plp = req.logprobs if want_plp else None
         if req.prompt_logprobs is not None:
             plp = max(plp or 0, req.prompt_logprobs)
         base = self._base_id(req, "cmpl")
-        ids_all = self._sub_ids(base, len(prompts) * req.n)
+        ids_all = [tenant.scoped(r) for r in self._sub_ids(base, len(prompts) * req.n)]
         subs, choices = [], []
         for i, p in enumerate(prompts):
-            ids = ctx.encode(p, add_bos=bool(req.add_special_tokens)) if isinstance(p, str) else list(p)
+            ids = ctx.encode(p, add_bos=req.add_special_tokens) if isinstance(p, str) else list(p)
             check_prompt_ids(ids, ctx.vocab_size)
             max_tokens = resolve_max_tokens(req.max_tokens, len(ids), ctx.max_model_len)
             sp = build_sampling_params(req, max_tokens=max_tokens, vocab_size=ctx.vocab_size,
                                        has_tokenizer=ctx.has_tokenizer, logprobs=req.logprobs, prompt_logprobs=plp)
+            sp.structured = constraint
             text = None
             if req.echo:
                 text = p if isinstance(p, str) else ctx.tokenizer.decode(ids)
             for j in range(req.n):
                 k = i * req.n + j
                 spj = sp if j == 0 or sp.seed is None else _reseed(sp, sp.seed + j)
-                subs.append(GenRequest(ids_all[k], ids, spj, session, req.cache_salt))
+                subs.append(GenRequest(ids_all[k], ids, spj, session, tenant.salt(req.cache_salt)))
                 choices.append(fmt.Choice(k, ids_all[k], ids, text))
         by_id = {c.request_id: c for c in choices}
         spell = fmt.TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
-        stream = await self._submit(subs)
+        stream = await self._submit(subs, tenant)
         opts = dict(echo=req.echo, want_plp=want_plp, logprobs=req.logprobs, plp_n=plp,
                     vllm_plp=req.prompt_logprobs is not None, token_ids=req.return_token_ids)
         if not req.stream:
@@ -269,7 +303,8 @@ class HttpApi:
                 lp = fmt.merge_legacy(lp, gen)
             else:
                 lp = fmt.legacy_logprobs(spell, c.token_ids, c.logprobs)
-        out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": None}
+        out = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}
         if vllm_plp:
             out["prompt_logprobs"] = fmt.vllm_prompt_logprobs(spell, c.prompt_ids, c.prompt_logprobs, plp_n)
         if token_ids:
@@ -309,14 +344,15 @@ class HttpApi:
                     continue
                 if not (out.new_text or out.finished or (out.new_token_ids and (req.logprobs is not None
                                                                                 or opts["token_ids"]))):
-                    continue  # tokens whose text is still an incomplete UTF-8 sequence
+                    continue  # tokens whose text is held back (incomplete UTF-8, or a possible stop string)
                 lp = None
                 if req.logprobs is not None:
                     lp = fmt.legacy_logprobs(spell, out.new_token_ids, out.new_logprobs or [],
                                              offsets[out.request_id])
                     offsets[out.request_id] += sum(len(s) for s in lp["tokens"])
                 ch = {"index": c.index, "text": out.new_text, "logprobs": lp,
-                      "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
+                      "finish_reason": out.finish_reason if out.finished else None,
+                      "stop_reason": out.stop_reason if out.finished else None}
                 if opts["token_ids"]:
                     ch["token_ids"] = out.new_token_ids
                 await resp.write(chunk(ch, c))
@@ -335,6 +371,7 @@ class HttpApi:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat_completions(self, request: web.Request):
         ctx = self.ctx
+        tenant = request.get(TENANT, ANONYMOUS)
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._body(request))
         ctx.check_model(req.model)
         check_ids(req)
@@ -343,8 +380,17 @@ class HttpApi:
         check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        mode, fname = tool_choice(req, ctx.auto_tools)
         messages = chat_messages(req)
-        session = self._session(request, req)
+        constraint = structured_outputs(req)
+        if mode in ("required", "named"):
+            if constraint is not None:
+                raise bad(f"tool_choice {'required' if mode == 'required' else 'with a named function'} cannot be "
+                          "combined with response_format or structured outputs", "tool_choice")
+            constraint = StructuredOutputs(lark=dsml.tool_call_grammar(req.tools, fname,
+                                                                       req.parallel_tool_calls is not False))
+        constraint = await self._constraint(constraint)
+        session = tenant.scoped(self._session(request, req))
         try:
             _, ids = ctx.chat.encode(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message, tools=req.tools,
@@ -353,6 +399,9 @@ class HttpApi:
             raise bad(str(e), "messages") from None
         except ValueError as e:  # tokenizer errors
             raise bad(str(e), "messages") from None
+        if req.add_special_tokens and getattr(ctx.tokenizer, "bos_token_id", None) is not None \
+                and ids[:1] != [ctx.tokenizer.bos_token_id]:
+            ids = [ctx.tokenizer.bos_token_id] + ids
         check_prompt_ids(ids, ctx.vocab_size, "rendered chat prompt")
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None
@@ -361,35 +410,38 @@ class HttpApi:
         sp = build_sampling_params(req, max_tokens=max_tokens, vocab_size=ctx.vocab_size,
                                    has_tokenizer=ctx.has_tokenizer, logprobs=n_top if req.logprobs else None,
                                    prompt_logprobs=req.prompt_logprobs)
+        sp.structured = constraint
         base = self._base_id(req, "chatcmpl")
-        rids = self._sub_ids(base, req.n)
+        rids = [tenant.scoped(r) for r in self._sub_ids(base, req.n)]
         subs = [GenRequest(rids[j], ids, sp if j == 0 or sp.seed is None else _reseed(sp, sp.seed + j), session,
-                           req.cache_salt) for j in range(req.n)]
+                           tenant.salt(req.cache_salt)) for j in range(req.n)]
         choices = [fmt.Choice(j, rids[j], ids) for j in range(req.n)]
         by_id = {c.request_id: c for c in choices}
         spell = fmt.TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
-        stream = await self._submit(subs)
-        token_ids = req.return_token_ids
+        stream = await self._submit(subs, tenant)
+        tools = req.tools if mode != "none" else None
         if not req.stream:
             await self._collect(stream, by_id)
             body = {"id": base, "object": "chat.completion", "created": fmt.now(), "model": ctx.model_name,
                     "choices": [], "usage": fmt.total_usage(choices, req.n)}
             for c in choices:
-                ch = {"index": c.index, "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                content, calls = dsml.parse(c.text, tools) if tools else (c.text, [])
+                ch = {"index": c.index, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                       "logprobs": fmt.chat_logprobs(spell, c.token_ids, c.logprobs, n_top) if req.logprobs else None,
-                      "finish_reason": c.finish_reason, "stop_reason": None}
-                if token_ids:
+                      "finish_reason": _chat_finish(c.finish_reason, calls, mode), "stop_reason": c.stop_reason}
+                if req.return_token_ids:
                     ch["token_ids"] = c.token_ids
                 body["choices"].append(ch)
             if req.prompt_logprobs is not None:
                 body["prompt_logprobs"] = fmt.vllm_prompt_logprobs(spell, ids, choices[0].prompt_logprobs,
                                                                    req.prompt_logprobs)
-            if token_ids:
+            if req.return_token_ids:
                 body["prompt_token_ids"] = ids
             return web.json_response(body, dumps=_dumps)
-        return await self._stream_chat(request, req, stream, choices, by_id, spell, base, n_top)
+        parsers = {c.request_id: dsml.ToolCallStream(tools) for c in choices} if tools else None
+        return await self._stream_chat(request, req, stream, choices, by_id, spell, base, n_top, parsers, mode)
 
-    async def _stream_chat(self, request, req, stream, choices, by_id, spell, base, n_top):
+    async def _stream_chat(self, request, req, stream, choices, by_id, spell, base, n_top, parsers, mode):
         created, model = fmt.now(), self.ctx.model_name
         so = req.stream_options
         include_usage = bool(so and so.include_usage)
@@ -413,14 +465,28 @@ class HttpApi:
                 c.update(out)
                 if out.finished:
                     self._finished(c)
-                if not (out.new_text or out.finished or (out.new_token_ids and req.logprobs)):
-                    continue  # tokens whose text is still an incomplete UTF-8 sequence
+                content, calls = out.new_text, []
+                if parsers is not None:  # tool calls: content before the DSML block, then call deltas
+                    p = parsers[out.request_id]
+                    content, calls = p.feed(out.new_text)
+                    if out.finished:
+                        more, calls2 = p.finish()
+                        content, calls = content + more, calls + calls2
+                if not (content or calls or out.finished or (out.new_token_ids and req.logprobs)):
+                    continue  # text held back (incomplete UTF-8, a possible stop string or tool-call start)
                 lp = None
                 if req.logprobs:
                     lp = fmt.chat_logprobs(spell, out.new_token_ids, out.new_logprobs or [], n_top)
-                delta = {"content": out.new_text} if out.new_text else {}
-                await resp.write(chunk({"index": c.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": out.finish_reason if out.finished else None}, c))
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                finish = None
+                if out.finished:
+                    finish = _chat_finish(out.finish_reason, parsers[out.request_id].calls if parsers else [], mode)
+                ch = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if out.finished:
+                    ch["stop_reason"] = out.stop_reason
+                await resp.write(chunk(ch, c))
             if include_usage:
                 await resp.write(_sse({"id": base, "object": "chat.completion.chunk", "created": created,
                                        "model": model, "choices": [], "usage": fmt.total_usage(choices, req.n)}))
@@ -432,6 +498,13 @@ class HttpApi:
             stream.abort()
         await self._sse_end(resp, error)
         return resp
+
+
+def _chat_finish(reason: str | None, calls: list, mode: str) -> str | None:
+    """vLLM: "tool_calls" when auto or required produced calls; a named function keeps "stop"."""
+    if calls and mode in ("auto", "required") and reason == "stop":
+        return "tool_calls"
+    return reason
 
 
 def _reseed(sp, seed: int):

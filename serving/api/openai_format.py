@@ -118,6 +118,7 @@ class Choice:
         self.logprobs: list = []
         self.prompt_logprobs = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the matched stop string or stop token id
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0
         self.num_output = 0
@@ -134,6 +135,7 @@ class Choice:
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs = out.prompt_logprobs
 

@@ -1,18 +1,27 @@
 """OpenAI-compatible request schemas (with vLLM's extensions) and their validation into engine inputs.
 
 Everything a client sends is checked here, on the server side, before anything reaches the engine thread:
-types (pydantic), ranges, prompt shape and token ids, context length, Unicode. A problem raises `ApiError`
-(HTTP status + a message that says what is wrong). Unknown fields are accepted and logged, as vLLM does, so
-newer clients keep working. The gRPC server reuses `build_sampling_params` and `check_prompt_ids`.
+types (pydantic), ranges, prompt shape and token ids, context length, Unicode, tools and `tool_choice`,
+structured-output constraints. A problem raises `ApiError` (HTTP status + a message that says what is wrong).
+Unknown fields are accepted and logged, as vLLM does, so newer clients keep working. The gRPC server reuses
+`build_sampling_params` and `check_prompt_ids`.
+
+Structured outputs (one per request): `response_format` ({"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"schema": ...}}), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
+"json_object"}) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields;
+`tool_choice` "required" or a named function adds the DSML tool-call grammar (so it excludes the others).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from serving.api import dsml
+from serving.engine.structured import StructuredOutputs
 from serving.engine.types import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("serving.api")
@@ -24,14 +33,16 @@ MAX_SUBREQUESTS = 256  # prompts x n in one HTTP request
 class ApiError(Exception):
     """A client-visible error: HTTP status, OpenAI error type, message."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLarge", 500: "InternalServerError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+             413: "RequestEntityTooLarge", 429: "RateLimitError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -85,12 +96,19 @@ class _Common(_Model):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     priority: int = 0
-    add_special_tokens: bool | None = None
+    add_special_tokens: bool = False
     max_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
     prompt: Any = None
+    add_special_tokens: bool = True  # vLLM's default for completions (chat: False, the template adds BOS)
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -113,7 +131,6 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -163,6 +180,8 @@ def parse(schema: type[_Common], obj) -> _Common:
         raise bad("the request body is nested too deeply") from None
     if req.model_extra:
         log.warning("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+    if req.stream_options is not None and not req.stream:
+        raise bad("Stream options can only be defined when `stream=True`.", "stream_options")
     return req
 
 
@@ -308,7 +327,89 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         raise bad("add_generation_prompt and continue_final_message cannot both be true")
     if req.continue_final_message and out[-1]["role"] != "assistant":
         raise bad("continue_final_message needs a final assistant message")
-    rf = req.response_format
-    if rf is not None and rf.get("type") not in (None, "text"):
-        raise bad(f"response_format {rf.get('type')!r} is not supported (only 'text')", "response_format")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- structured outputs
+def _from_response_format(rf: dict) -> StructuredOutputs | None:
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return StructuredOutputs(json=schema)
+    raise bad(f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format")
+
+
+def structured_outputs(req: _Common) -> StructuredOutputs | None:
+    """The request's output constraint (at most one source), not yet compiled."""
+    found = []
+    if req.response_format is not None:
+        so = _from_response_format(req.response_format)
+        if so is not None:
+            found.append(("response_format", so))
+    if req.structured_outputs is not None:
+        d = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        unknown = set(d) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise bad(f"structured_outputs: unsupported field(s) {sorted(unknown)}", "structured_outputs")
+        if isinstance(d.get("json"), str):
+            try:
+                d["json"] = json.loads(d["json"])
+            except json.JSONDecodeError as e:
+                raise bad(f"structured_outputs.json is not valid JSON: {e.msg}", "structured_outputs") from None
+        found.append(("structured_outputs", StructuredOutputs(**d)))
+    legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+    for field_, key in legacy.items():
+        v = getattr(req, field_)
+        if v is not None:
+            if key == "json" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise bad(f"{field_} is not valid JSON: {e.msg}", field_) from None
+            found.append((field_, StructuredOutputs(**{key: v})))
+    if len(found) > 1:
+        raise bad(f"only one output constraint per request (got {', '.join(n for n, _ in found)})")
+    if not found:
+        return None
+    name, so = found[0]
+    try:
+        so.kind()
+    except ValueError as e:
+        raise bad(f"{name}: {e}", name) from None
+    return so
+
+
+def tool_choice(req: ChatCompletionRequest, auto_enabled: bool) -> tuple[str, str | None]:
+    """vLLM's rules for tools / tool_choice -> (mode: none | auto | required | named, function name)."""
+    tools, tc = req.tools, req.tool_choice
+    if tools is not None:
+        try:
+            dsml.check_tools(tools)
+        except dsml.ToolSpecError as e:
+            raise bad(str(e), "tools") from None
+    if tc is None:
+        tc = "auto" if tools else "none"
+    if tc not in ("none", "auto", "required") and not isinstance(tc, dict):
+        raise bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': "
+                  f"...}}}}, got {tc!r}", "tool_choice")
+    if tc != "none" and not tools:
+        raise bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if tc == "auto" and not auto_enabled:
+        raise bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                  "tool_choice")
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tc.get("type", "function") != "function" or not isinstance(name, str):
+            raise bad("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
+        return "named", name
+    return tc, None

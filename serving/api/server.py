@@ -7,6 +7,9 @@ over one engine thread.
 Shutdown (SIGTERM / SIGINT, or `ApiServer.shutdown()`): new requests get 503 / UNAVAILABLE and health turns
 NOT_SERVING; the listening sockets close; in-flight requests may finish for up to `shutdown_timeout`
 seconds (then they are cancelled, which aborts them in the engine); the engine thread stops.
+
+Security (serving/api/security.py): API keys for both APIs, TLS (optionally mutual) for both listeners, per-key
+limits; `start()` logs a warning when it listens on a non-loopback address without an API key.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from serving.api.engine_client import EngineClient, EngineLoop
 from serving.api.grpc_server import SERVICE, GrpcApi
 from serving.api.http_server import HttpApi
 from serving.api.metrics import ApiMetrics
+from serving.api.security import ApiKeys, KeyLimiter, exposure_warning, grpc_credentials, server_ssl_context
 
 log = logging.getLogger("serving.api")
+TOOL_PARSERS = ("deepseek_v41",)
 
 
 @dataclass
@@ -40,6 +45,19 @@ class ServerConfig:
     chat_template: str | None = None  # a file or a literal Jinja template (default: tokenizer's / built-in)
     max_request_bytes: int = 0  # 0: max(1 MiB, 32 bytes per token of max_model_len)
     shutdown_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses tool calls (needs tool_call_parser)
+    tool_call_parser: str | None = None  # deepseek_v41
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    protect_metrics: bool = False  # /metrics needs a key too
+    ssl_certfile: str | None = None  # TLS for HTTP and gRPC (with ssl_keyfile)
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # client certificates signed by this CA are required (mutual TLS)
+    max_requests_per_key: int = 0  # open requests per API key (0: no cap)
+    max_queued_tokens_per_key: int = 0  # queued prompt tokens per API key (0: no cap)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ssl_certfile)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -60,9 +78,17 @@ class ApiServer:
         name = config.served_model_name or engine.cfg.name
         engine.set_served_model_name(name)  # label the engine's metrics with the served name
         max_bytes = config.max_request_bytes or max(1 << 20, 32 * engine.args.max_model_len)
+        if config.enable_auto_tool_choice and config.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
+        if bool(config.ssl_certfile) != bool(config.ssl_keyfile):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if config.ssl_ca_certs and not config.ssl_certfile:
+            raise ValueError("--ssl-ca-certs (mutual TLS) needs --ssl-certfile and --ssl-keyfile")
         self.ctx = ServerContext(self.client, ChatTemplate(engine.tokenizer, config.chat_template),
                                  ApiMetrics(name, engine.args.max_model_len), name, set(config.aliases) - {name},
-                                 max_bytes)
+                                 max_bytes, auto_tools=config.enable_auto_tool_choice,
+                                 api_keys=ApiKeys(config.api_keys), protect_metrics=config.protect_metrics,
+                                 limiter=KeyLimiter(config.max_requests_per_key, config.max_queued_tokens_per_key))
         self.http = HttpApi(self.ctx)
         self.grpc = GrpcApi(self.ctx)
         self.http_port: int | None = None
@@ -77,7 +103,7 @@ class ApiServer:
         if self.http_port is None:
             return None
         h = self.config.host
-        return f"http://{_grpc_host(h)}:{self.http_port}"
+        return f"{'https' if self.config.tls else 'http'}://{_grpc_host(h)}:{self.http_port}"
 
     @property
     def grpc_target(self) -> str | None:
@@ -86,6 +112,11 @@ class ApiServer:
     async def start(self):
         cfg = self.config
         self._stopped = asyncio.Event()
+        warning = exposure_warning(cfg.host, self.ctx.api_keys)
+        if warning:
+            log.warning(warning)
+            print(warning, file=sys.stderr, flush=True)
+        ssl_ctx = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.tls else None
         self.engine_loop.start()
         try:
             if cfg.port >= 0:
@@ -97,12 +128,16 @@ class ApiServer:
                 except OSError as e:
                     raise OSError(f"cannot listen for HTTP on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
                 self.http_port = sock.getsockname()[1]
-                await web.SockSite(self._runner, sock).start()
+                await web.SockSite(self._runner, sock, ssl_context=ssl_ctx).start()
             if cfg.grpc_port >= 0:
                 self._grpc_server = self.grpc.server(self.ctx.max_request_bytes)
                 addr = f"{_grpc_host(cfg.host)}:{cfg.grpc_port}"
                 try:
-                    self.grpc_port = self._grpc_server.add_insecure_port(addr)
+                    if cfg.tls:
+                        creds = grpc_credentials(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs)
+                        self.grpc_port = self._grpc_server.add_secure_port(addr, creds)
+                    else:
+                        self.grpc_port = self._grpc_server.add_insecure_port(addr)
                 except RuntimeError as e:
                     raise OSError(f"cannot listen for gRPC on {addr}: {e}") from None
                 await self._grpc_server.start()
@@ -150,7 +185,8 @@ def ready_lines(server: ApiServer) -> list[str]:
     if server.http_url:
         out.append(f"HTTP server listening on {server.http_url} (OpenAI API: {server.http_url}/v1)")
     if server.grpc_target:
-        out.append(f"gRPC server listening on {server.grpc_target} ({SERVICE}, health, reflection)")
+        tls = ", TLS" if server.config.tls else ""
+        out.append(f"gRPC server listening on {server.grpc_target} ({SERVICE}, health, reflection{tls})")
     return out
 
 

@@ -76,7 +76,7 @@ class BackgroundServer:
         self.stop()
 
 
-_READY = {"http": re.compile(r"HTTP server listening on (http://\S+)"),
+_READY = {"http": re.compile(r"HTTP server listening on (https?://\S+)"),
           "grpc": re.compile(r"gRPC server listening on (\S+)")}
 
 
@@ -202,6 +202,36 @@ def shared_test_server() -> BackgroundServer:
                                                             shutdown_timeout=5)).start()
             atexit.register(_shared.stop)
         return _shared
+
+
+# A second in-process server for prompts longer than the shared one allows (the DeepSeek-V4.1 tool preamble is
+# ~1.5k tokens with the byte tokenizer): the tiny model with a 2048-token context, tool calling on.
+LONG_ENGINE_ARGS = dict(SMALL_ENGINE_ARGS, max_model_len=2048, decode_buckets=(4,), max_num_seqs=4,
+                        enable_prompt_logprobs=False)
+_long: BackgroundServer | None = None
+
+
+def shared_long_server() -> BackgroundServer:
+    """One in-process server (tiny weights, 2048-token context, byte tokenizer, auto tool choice) per process."""
+    global _long
+    shared_test_server()  # the same compilation-cache setup (and the shared server is usually needed too)
+    with _shared_lock:
+        if _long is None:
+            import atexit
+
+            from dsv41_jax.config import ModelConfig
+            from serving.engine.config import EngineArgs
+            from serving.engine.engine import Engine, load_model
+
+            cfg = ModelConfig.preset("tiny", max_seq_len=LONG_ENGINE_ARGS["max_model_len"])
+            cfg, params = load_model(cfg)
+            engine = Engine(cfg, EngineArgs(**LONG_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir()),
+                            params=params, progress=False)
+            _long = BackgroundServer(engine, ServerConfig(port=0, grpc_port=-1, served_model_name="tiny",
+                                                          shutdown_timeout=5, enable_auto_tool_choice=True,
+                                                          tool_call_parser="deepseek_v41")).start()
+            atexit.register(_long.stop)
+        return _long
 
 
 def server_stats(server):

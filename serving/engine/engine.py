@@ -130,6 +130,7 @@ class Engine:
         self._seeds = np.random.default_rng(self.args.seed)
         self._inflight: _InFlight | None = None
         self._step_requests: list[str] | None = None
+        self._grammars = None  # structured outputs: a GrammarCompiler, made on first use
         self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
 
     # ------------------------------------------------------------------ requests
@@ -179,7 +180,7 @@ class Engine:
         from serving.engine.structured import GrammarCompiler
 
         if sp.structured.compiled is None or sp.structured.compiled.vocab_size != self.cfg.vocab_size:
-            if getattr(self, "_grammars", None) is None:
+            if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_ids)
             self._grammars.compile(sp.structured)
         return sp.structured.compiled.new_state()
@@ -348,7 +349,7 @@ class Engine:
         sp = req.sampling
         sm.temperature[i], sm.top_k[i], sm.top_p[i], sm.min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         sm.seed[i], sm.counter[i] = req.seed, req.counter
-        grammar = getattr(req.out, "grammar", None)
+        grammar = req.out.grammar
         if grammar is not None and p.sample:  # the grammar state is current: the last token was collected
             grammar.fill(sm.allowed[i])
         if sm.next_ids is not None:
@@ -431,7 +432,7 @@ class Engine:
         self.metrics.inc("generation_tokens")
         sp = req.sampling
         o.detok.append(t)
-        grammar = getattr(o, "grammar", None)
+        grammar = o.grammar
         if grammar is not None and not grammar.advance(t):  # only a dead-end grammar lets this happen
             o.error = f"structured output: {grammar.error}"
             self._finish(req, "abort")

@@ -1,4 +1,9 @@
-"""Engine metrics with Prometheus text rendering (vLLM-compatible names where the concept matches)."""
+"""Engine metrics with Prometheus text rendering (vLLM-compatible names where the concept matches).
+
+`vllm:request_success_total` carries vLLM's `finished_reason` label (stop | length | abort): every finished
+request is counted once under its reason. The snapshot's `requests_finished` counter keeps counting the
+non-aborted ones (aborts are also in `dsv41:request_aborted_total`).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +35,6 @@ class Metrics:
         "generation_tokens": ("vllm:generation_tokens", "Tokens generated"),
         "replayed_tokens": ("dsv41:replayed_tokens", "Cached tokens recomputed by SWA bounded replay"),
         "preemptions": ("vllm:num_preemptions", "Requests preempted (recompute)"),
-        "requests_finished": ("vllm:request_success", "Requests finished"),
         "requests_aborted": ("dsv41:request_aborted", "Requests aborted"),
     }
     HISTOGRAMS = {
@@ -46,16 +50,25 @@ class Metrics:
         "snapshot_bytes": ("dsv41:swa_snapshot_bytes", "Device bytes held for exact-mode SWA snapshots"),
     }
 
+    FINISHED_REASONS = ("stop", "length", "abort")
+
     def __init__(self, model_name: str = "dsv41"):
         self.model_name = model_name
         self.lock = threading.Lock()
         self.counters = {k: 0 for k in self.COUNTERS}
+        self.counters["requests_finished"] = 0  # non-aborted (rendered per reason as vllm:request_success_total)
+        self.finished_by_reason = {r: 0 for r in self.FINISHED_REASONS}
         self.hist = {k: Histogram() for k in self.HISTOGRAMS}
         self.gauges = {k: 0.0 for k in self.GAUGES}
 
     def inc(self, key: str, v: float = 1):
         with self.lock:
             self.counters[key] += v
+
+    def finished(self, reason: str):
+        """A request finished (stop | length | abort): vllm:request_success_total{finished_reason}."""
+        with self.lock:
+            self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
 
     def observe(self, key: str, v: float):
         with self.lock:
@@ -68,6 +81,7 @@ class Metrics:
     def snapshot(self) -> dict:
         with self.lock:
             return {"counters": dict(self.counters), "gauges": dict(self.gauges),
+                    "finished_by_reason": dict(self.finished_by_reason),
                     "histograms": {k: {"count": h.n, "sum": h.sum} for k, h in self.hist.items()}}
 
     def prometheus(self) -> str:
@@ -77,6 +91,10 @@ class Metrics:
             for k, (name, doc) in self.COUNTERS.items():
                 out += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
                         f"{name}_total{{{lab}}} {float(self.counters[k])}"]
+            name = "vllm:request_success"
+            out += [f"# HELP {name}_total Finished requests by finish reason", f"# TYPE {name}_total counter"]
+            out += [f'{name}_total{{{lab},finished_reason="{r}"}} {float(v)}'
+                    for r, v in self.finished_by_reason.items()]
             for k, (name, doc) in self.GAUGES.items():
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {float(self.gauges[k])}"]
             for k, (name, doc) in self.HISTOGRAMS.items():

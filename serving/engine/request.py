@@ -43,6 +43,7 @@ class SchedState:
 @dataclass
 class OutputState:
     detok: IncrementalDetokenizer | None = None
+    grammar: object | None = None  # structured outputs: the request's grammar state (serving.engine.structured)
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[dict[int, float]] = field(default_factory=list)
     sent_ids: int = 0  # generated ids already streamed

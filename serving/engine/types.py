@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serving.engine.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20
 
 
@@ -22,6 +24,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens (echo); disables prefix-cache reads
     include_stop_str_in_output: bool = False
+    structured: StructuredOutputs | None = None  # grammar-constrained decoding (serving/engine/structured.py)
 
     def validate(self, vocab_size: int):
         """Raise ValueError naming the bad field."""
@@ -47,6 +50,10 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids):
             bad(f"stop_token_ids must be token ids in [0, {vocab_size})")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                bad("structured must be a StructuredOutputs")
+            self.structured.kind()  # exactly one constraint (GrammarError is a ValueError)
 
 
 @dataclass
@@ -71,4 +78,4 @@ class RequestOutput:
     num_output_tokens: int
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that finished the request
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished the request (vLLM's)
