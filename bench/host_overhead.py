@@ -27,6 +27,8 @@ def measure(preset: str, batch: int, steps: int, replays: int, prompt_len: int, 
     from serving.engine import Engine, EngineArgs, SamplingParams
 
     cfg = ModelConfig.preset(preset)
+    if max_model_len > cfg.max_seq_len:
+        cfg = cfg.replace(max_seq_len=max_model_len)
     chunk = max(cfg.window_size, 64)
     args = EngineArgs(max_model_len=max_model_len, max_num_seqs=batch, max_num_batched_tokens=max(chunk, prompt_len),
                       prefill_buckets=(max(chunk, prompt_len),), decode_buckets=(batch,),

@@ -114,8 +114,10 @@ def test_second_turn_reports_cached_tokens(client):
                                                  **GREEDY))
     usage = chunks[-1].usage
     assert usage.prompt_tokens > first.usage.prompt_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 64
-    assert usage.prompt_tokens_details.cached_tokens % 64 == 0
+    # cached_tokens counts the tokens the hit really skipped: whole 64-token pages minus the window (8 for the
+    # tiny preset) that bounded replay recomputes
+    assert usage.prompt_tokens_details.cached_tokens >= 64 - 8
+    assert (usage.prompt_tokens_details.cached_tokens + 8) % 64 == 0
 
 
 def test_cache_salt_isolates_prefixes(client):
@@ -124,7 +126,7 @@ def test_cache_salt_isolates_prefixes(client):
     client.completions.create(extra_body={"cache_salt": "alice"}, **kw)
     same = client.completions.create(extra_body={"cache_salt": "alice"}, **kw)
     other = client.completions.create(extra_body={"cache_salt": "bob"}, **kw)
-    assert same.usage.prompt_tokens_details.cached_tokens >= 64
+    assert same.usage.prompt_tokens_details.cached_tokens >= 64 - 8  # a page hit, minus the replayed window
     assert other.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -359,7 +361,7 @@ def test_metrics_prometheus_vllm_names(server, client):
                  "dsv41:api_requests", "vllm:kv_cache_usage_perc"):
         assert name in fams, name
     hits = {s.labels["source"]: s.value for s in fams["vllm:prompt_tokens_by_source"].samples}
-    assert hits["local_compute"] > 0 and hits["local_cache_hit"] >= 64
+    assert hits["local_compute"] > 0 and hits["local_cache_hit"] >= 64 - 8  # a page hit minus the replayed window
     ttft = [s for s in fams["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert ttft[0].value > 0 and ttft[0].labels["model_name"] == "tiny"
 

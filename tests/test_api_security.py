@@ -161,7 +161,7 @@ def test_cache_isolation_between_keys_through_both_apis(server, certs):
     kw = dict(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"cache_salt": "same-salt"})
     first = a.completions.create(**kw)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert a.completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 64  # same key: a hit
+    assert a.completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 64 - 8  # same key: a hit
     assert b.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0  # other key: none
     ids = [256] + list(PROMPT.encode())
     with channel(server, certs) as ch:
@@ -173,8 +173,8 @@ def test_cache_isolation_between_keys_through_both_apis(server, certs):
                                       metadata=md(key), timeout=60))
             return msgs[-1].complete.usage.cached_tokens
 
-        assert cached(KEY_B) >= 64  # B's HTTP request above cached it for B only
-        assert cached(KEY_A) >= 64
+        assert cached(KEY_B) >= 64 - 8  # B's HTTP request above cached it for B only
+        assert cached(KEY_A) >= 64 - 8
 
 
 def test_per_key_limits_and_cross_key_abort(server, certs):

@@ -21,6 +21,14 @@ Failures: a program call that raises fails only the requests it carried (their f
 If the failure consumed the donated device pools (or left them in an error state), the runner rebuilds them,
 the prefix cache and snapshots are dropped (their bytes are gone), and every other running request is
 preempted and recomputed from its tokens: no later step reads poisoned state.
+
+Parallelism (`EngineArgs.tensor_parallel_size` / `data_parallel_size` / `enable_expert_parallel`): the engine
+builds the mesh from its flags (`make_mesh`). Under TP nothing changes here (the runner's programs are
+sharded). Under DP / DEP the engine keeps one `Rank` (page pool, scheduler, snapshots) per data-parallel rank:
+a new request is placed on a rank by `dp.Placement` (sticky sessions, cached prefix, load cap) and stays
+there; each step schedules every rank and packs their work into SPMD calls (`dp.decode_rows`,
+`dp.chunk_groups`); rank 0's pool / scheduler are also `self.pool` / `self.scheduler`. In a multi-host run
+(serving.engine.multihost) this object lives in process 0 and the other processes replay its program calls.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from serving.engine.block_hash import BLOCK
 from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
 from serving.engine.request import FINISHED, Request
@@ -56,8 +65,9 @@ class QueueFull(RuntimeError):
     """Too many queued requests (HTTP 503 / RESOURCE_EXHAUSTED)."""
 
 
-def load_model(model, seed: int = 0, weight_format: str | None = None):
-    """A preset name, a ModelConfig (random weights built on device), or a checkpoint directory (HF or orbax)."""
+def load_model(model, seed: int = 0, weight_format: str | None = None, *, mesh=None, parallel=None):
+    """A preset name, a ModelConfig (random weights built on device), or a checkpoint directory (HF or orbax).
+    With a mesh and its parallel layout every weight is built / read straight onto its shards."""
     import checkpoints
 
     if isinstance(model, ModelConfig):
@@ -65,15 +75,44 @@ def load_model(model, seed: int = 0, weight_format: str | None = None):
     elif isinstance(model, str) and not os.path.isdir(model):
         cfg = ModelConfig.preset(model)
     else:
-        return checkpoints.load(model, weight_format=weight_format)
-    return cfg, checkpoints.random_init(cfg, seed)
+        return checkpoints.load(model, weight_format=weight_format, mesh=mesh, parallel=parallel)
+    return cfg, checkpoints.random_init(cfg, seed, mesh, parallel=parallel)
+
+
+def make_mesh(args: EngineArgs):
+    """The mesh of resolved engine args (None: one device, no mesh)."""
+    return None if args.parallel is None else args.parallel.mesh()
+
+
+def model_config_of(model, weight_format: str | None = None) -> ModelConfig | None:
+    """The config of a preset, a ModelConfig or a checkpoint directory, without reading any weight (None: not
+    a directory the loader knows; it will say why)."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str) and not os.path.isdir(model):
+        return ModelConfig.preset(model)
+    from checkpoints.hf_config import read_hf_config
+    from checkpoints.hf_manifest import is_hf_dir
+    from checkpoints.orbax_io import is_orbax_dir, read_config
+
+    if is_hf_dir(model):
+        cfg = read_hf_config(model)[0]
+    elif is_orbax_dir(model):
+        cfg = read_config(model)
+    else:
+        return None
+    return cfg if weight_format is None else cfg.replace(weight_format=weight_format)
 
 
 @dataclass
 class _Call:
-    """One dispatched program call and the plans it carried."""
+    """One dispatched program call, the plans it carried and their output rows (None: plan i at row i)."""
     plans: list[ChunkPlan]
     pending: PendingOutputs | None
+    rows: list[int] | None = None
+
+    def row(self, i: int) -> int:
+        return i if self.rows is None else self.rows[i]
 
 
 @dataclass
@@ -101,12 +140,19 @@ class Engine:
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+        known = model_config_of(model)
+        mesh = None
+        if known is not None:  # flags checked and the mesh built before any weight is made
+            args = args.resolved(known)
+            mesh = make_mesh(args)
         if params is None:
-            cfg, params = load_model(model, args.seed)
+            cfg, params = load_model(model, args.seed, mesh=mesh, parallel=args.parallel)
         else:
             cfg = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
         self.cfg = cfg
         self.args = args.resolved(cfg)
+        if mesh is None:
+            mesh = make_mesh(self.args)
         if tokenizer is None:
             from serving.tokenizer import ByteTokenizer
 
@@ -117,21 +163,37 @@ class Engine:
             eos = {tokenizer.eos_token_id}
         self.eos_ids = eos
         self.metrics = Metrics(served_model_name or cfg.name)
-        self.pool = PagePool(self.args.num_pages, self.args.enable_prefix_caching, self.args.session_ttl_s)
-        self.snapshots = None if self.args.swa_bounded_replay else SnapshotIndex(self.args.snapshot_slots)
         self.max_pages = pages_for(self.args.max_model_len)
-        self.runner = Runner(cfg, params, self.args, self.max_pages)
+        self.runner = Runner(cfg, params, self.args, self.max_pages, mesh)
         self.warmup_s = self.runner.compile_all(progress, keep=programs)
         self.metrics.set("compiled_programs", self.runner.compile_count)
         self.metrics.set("snapshot_bytes", sum(v for k, v in self.runner.pool_bytes().items() if k.startswith("snap")))
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
-        self.scheduler = Scheduler(self.args, self.pool, cfg.window_size, self.snapshots, self.metrics)
+        self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
+        self.pool, self.scheduler, self.snapshots = self.ranks[0].pool, self.ranks[0].scheduler, self.ranks[0].snapshots
+        self.placement = Placement(self.args.dp_load_cap, self.args.enable_prefix_caching)
+        self._rank: dict[str, int] = {}  # request id -> its data-parallel rank
         self.requests: dict[str, Request] = {}
         self._seeds = np.random.default_rng(self.args.seed)
         self._inflight: _InFlight | None = None
         self._step_requests: list[str] | None = None
         self._grammars = None  # structured outputs: a GrammarCompiler, made on first use
         self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
+
+    def _new_rank(self, i: int) -> Rank:
+        a = self.args
+        pool = PagePool(a.num_pages, a.enable_prefix_caching, a.session_ttl_s)
+        snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots)
+        return Rank(i, pool, Scheduler(a, pool, self.cfg.window_size, snaps, self.metrics), snaps)
+
+    def _rank_of(self, req: Request) -> Rank:
+        return self.ranks[self._rank.get(req.request_id, 0)]
+
+    def _rank_index(self, req: Request) -> int:
+        return self._rank.get(req.request_id, 0)
+
+    def _n_waiting(self) -> int:
+        return sum(len(r.scheduler.waiting) for r in self.ranks)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
@@ -155,8 +217,8 @@ class Engine:
         if len(ids) + max(sp.max_tokens, 1) > limit:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the request has "
                              f"{len(ids)} prompt tokens and max_tokens={sp.max_tokens}")
-        if len(self.scheduler.waiting) >= self.args.max_queued_requests:
-            raise QueueFull(f"{len(self.scheduler.waiting)} requests are already queued")
+        if self._n_waiting() >= self.args.max_queued_requests:
+            raise QueueFull(f"{self._n_waiting()} requests are already queued")
         grammar = self._grammar_state(sp) if sp.structured is not None else None  # GrammarError: ValueError
         # every accepted request draws from the seed stream (arrival order), seeded or not
         drawn = int(self._seeds.integers(0, 2 ** 32))
@@ -172,7 +234,10 @@ class Engine:
         if sp.max_tokens == 0 and sp.prompt_logprobs is None:
             self._finish(req, "length", emit=True)
             return
-        self.scheduler.waiting.append(req)
+        rank = self.placement.place(self.ranks, req.tokens, session_id, cache_salt,
+                                    use_cache=sp.prompt_logprobs is None)
+        self._rank[request_id] = rank
+        self.ranks[rank].scheduler.waiting.append(req)
         self._update_gauges()
 
     def _grammar_state(self, sp: SamplingParams):
@@ -194,7 +259,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._inflight is not None)
+        return self._inflight is not None or any(r.scheduler.running or r.scheduler.waiting for r in self.ranks)
 
     # ------------------------------------------------------------------ public state (for the API)
     def set_served_model_name(self, name: str):
@@ -202,20 +267,32 @@ class Engine:
         self.metrics.model_name = name
 
     def inspect(self) -> EngineInspect:
-        return EngineInspect(tuple(r.request_id for r in self.scheduler.running),
-                             tuple(r.request_id for r in self.scheduler.waiting),
+        return EngineInspect(tuple(r.request_id for k in self.ranks for r in k.scheduler.running),
+                             tuple(r.request_id for k in self.ranks for r in k.scheduler.waiting),
                              None if self._step_requests is None else tuple(self._step_requests))
 
+    @staticmethod
+    def _pages(pool: PagePool) -> dict:
+        return {"total": pool.num_pages - 1, "free": pool.num_free(), "referenced": int((pool.ref[1:] > 0).sum()),
+                "cached": len(pool.hash_of)}
+
     def stats(self) -> dict:
-        """Page pool, queue and metric state (JSON-serialisable)."""
-        pool = self.pool
-        return {
-            "pages": {"total": pool.num_pages - 1, "free": pool.num_free(),
-                      "referenced": int((pool.ref[1:] > 0).sum()), "cached": len(pool.hash_of)},
-            "requests": {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        """Page pool, queue and metric state (JSON-serialisable); per-rank detail under "parallel"."""
+        per = [self._pages(r.pool) for r in self.ranks]
+        out = {
+            "pages": {k: sum(p[k] for p in per) for k in per[0]},
+            "requests": {"running": sum(len(r.scheduler.running) for r in self.ranks), "waiting": self._n_waiting(),
                          "tracked": len(self.requests)},
             "metrics": self.metrics.snapshot(),
         }
+        par = self.args.parallel
+        if par is not None:
+            out["parallel"] = {
+                "layout": par.describe(), "devices": par.size,
+                "ranks": [{"pages": p, "running": len(r.scheduler.running), "waiting": len(r.scheduler.waiting)}
+                          for p, r in zip(per, self.ranks)],
+                "placements": dict(self.placement.counts), "moe_dropped_rows": self.runner.moe_dropped()}
+        return out
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -228,7 +305,7 @@ class Engine:
             self._step_requests = [r.request_id for r in inflight.requests()]
             touched += self._collect(inflight)
         self._step_requests = None  # scheduling: not known yet
-        plans = self.scheduler.schedule()
+        plans = [p for r in self.ranks for p in r.scheduler.schedule()]
         self._step_requests = [p.req.request_id for p in plans]
         if plans:
             self._inflight = self._dispatch(plans)
@@ -247,28 +324,37 @@ class Engine:
         return outs
 
     def _update_gauges(self):
-        self.metrics.set("running", len(self.scheduler.running))
-        self.metrics.set("waiting", len(self.scheduler.waiting))
-        self.metrics.set("kv_usage", self.pool.usage())
+        self.metrics.set("running", sum(len(r.scheduler.running) for r in self.ranks))
+        self.metrics.set("waiting", self._n_waiting())
+        self.metrics.set("kv_usage", sum(r.pool.usage() for r in self.ranks) / len(self.ranks))
 
     def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
         inflight = _InFlight()
         for p in plans:
             s = p.req.sched
             if s.restore_snapshot is not None:
-                self._guarded(inflight, [p], lambda s=s: self.runner.snapshot(False, s.restore_snapshot, s.slot))
+                rank = self._rank_index(p.req)
+                self._guarded(inflight, [p], lambda s=s, r=rank: self.runner.snapshot(False, s.restore_snapshot,
+                                                                                          s.slot, r))
                 s.restore_snapshot = None
         decode = [p for p in plans if p.is_decode and p.req.status != FINISHED]
         if decode:
-            self._guarded(inflight, decode, lambda: self._run_decode(decode))
-        for p in plans:
-            if not p.is_decode and p.req.status != FINISHED:
-                self._guarded(inflight, [p], lambda p=p: self._run_chunk(p))
+            B, rows = decode_rows(decode, self._rank_index)
+            Bk = self.runner.bucket(DECODE, B)  # each rank's block of the call has the bucket's rows
+            rows = [r // B * Bk + r % B for r in rows]
+            self._guarded(inflight, decode, lambda: self._run_decode(decode, Bk, rows), rows)
+        chunks = [p for p in plans if not p.is_decode and p.req.status != FINISHED]
+        if len(self.ranks) == 1:
+            groups = [([p], [0]) for p in chunks]
+        else:
+            groups = chunk_groups(chunks, self._rank_index)
+        for group, rows in groups:
+            self._guarded(inflight, group, lambda g=group, r=rows: self._run_chunks(g, r), rows)
         return inflight
 
-    def _guarded(self, inflight: _InFlight, plans: list[ChunkPlan], fn):
+    def _guarded(self, inflight: _InFlight, plans: list[ChunkPlan], fn, rows: list[int] | None = None):
         try:
-            inflight.calls.append(_Call(plans, fn()))
+            inflight.calls.append(_Call(plans, fn(), rows))
         except Exception as e:  # noqa: BLE001 - isolate the failure to these requests
             self._fail([p.req for p in plans], e)
 
@@ -283,11 +369,12 @@ class Engine:
             return
         log.error("the device pools were lost: rebuilding them; running requests are recomputed")
         self.runner.reset_pools()
-        self.pool.drop_cache()
-        if self.snapshots is not None:
-            self.snapshots.clear()
-        for r in list(self.scheduler.running):
-            self.scheduler.preempt(r)
+        for rank in self.ranks:
+            rank.pool.drop_cache()
+            if rank.snapshots is not None:
+                rank.snapshots.clear()
+            for r in list(rank.scheduler.running):
+                rank.scheduler.preempt(r)
 
     def _pools_healthy(self) -> bool:
         if self.runner.pools_lost():
@@ -317,12 +404,12 @@ class Engine:
                 if req.status == FINISHED:  # aborted while in flight
                     continue
                 if p.all_logits:
-                    self._prompt_logprobs(req, p, out)
+                    self._prompt_logprobs(req, p, out, call.row(i))
                 if p.sample:
                     if req.sampling.max_tokens == 0:  # prompt logprobs only
                         self._finish(req, "length")
                     else:
-                        self._append(req, out, i)
+                        self._append(req, out, call.row(i))
         return touched
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
@@ -363,26 +450,29 @@ class Engine:
         s.dec_clip = p.dec_clip_after(self.cfg.window_size)
         self._publish(p.req)
 
-    def _run_chunk(self, p: ChunkPlan) -> PendingOutputs | None:
-        key = self.runner.program_for_chunk(p)
+    def _run_chunks(self, plans: list[ChunkPlan], rows: list[int]) -> PendingOutputs | None:
+        """One prefill call: at most one chunk per rank (row = rank), all of one program kind."""
+        key = self.runner.program_for_chunk(max(plans, key=lambda p: p.n))
         inp = self.runner.inputs(key)
-        self._fill_row(inp, 0, p)
-        pending = self.runner.run(key, inp)
-        self._advance(p)
-        return pending
-
-    def _run_decode(self, plans: list[ChunkPlan]) -> PendingOutputs | None:
-        key = ProgramKey(DECODE, self.runner.bucket(DECODE, len(plans)))
-        inp = self.runner.inputs(key)
-        for i, p in enumerate(plans):
-            self._fill_row(inp, i, p)
+        for row, p in zip(rows, plans):
+            self._fill_row(inp, row, p)
         pending = self.runner.run(key, inp)
         for p in plans:
             self._advance(p)
         return pending
 
-    def _prompt_logprobs(self, req: Request, p: ChunkPlan, out: StepOutputs):
-        nxt, top_ids, top_lps = out.prompt_next_logprob[0], out.prompt_top_ids[0], out.prompt_top_logprobs[0]
+    def _run_decode(self, plans: list[ChunkPlan], bucket: int, rows: list[int]) -> PendingOutputs | None:
+        key = ProgramKey(DECODE, bucket)
+        inp = self.runner.inputs(key)
+        for row, p in zip(rows, plans):
+            self._fill_row(inp, row, p)
+        pending = self.runner.run(key, inp)
+        for p in plans:
+            self._advance(p)
+        return pending
+
+    def _prompt_logprobs(self, req: Request, p: ChunkPlan, out: StepOutputs, row: int = 0):
+        nxt, top_ids, top_lps = out.prompt_next_logprob[row], out.prompt_top_ids[row], out.prompt_top_logprobs[row]
         lps = req.out.prompt_lps
         if not lps:
             lps.append(None)
@@ -400,14 +490,15 @@ class Engine:
         """Register newly completed pages in the prefix cache; save exact-mode snapshots at boundaries."""
         s = req.sched
         full = min(s.num_computed // BLOCK, len(s.hashes), len(s.pages))
+        rank = self._rank_of(req)
         for j in range(s.registered, full):
-            self.pool.register(s.pages[j], s.hashes[j])
+            rank.pool.register(s.pages[j], s.hashes[j])
         s.registered = max(s.registered, full)
-        if self.snapshots is not None and s.num_computed in s.boundaries:
+        if rank.snapshots is not None and s.num_computed in s.boundaries:
             k = s.num_computed // BLOCK
-            slot = self.snapshots.claim(s.hashes[k - 1])
+            slot = rank.snapshots.claim(s.hashes[k - 1])
             if slot is not None:
-                self.runner.snapshot(True, s.slot, slot)
+                self.runner.snapshot(True, s.slot, slot, rank.index)
 
     def _append(self, req: Request, out: StepOutputs, i: int):
         t = int(out.tokens[i])
@@ -450,7 +541,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, emit: bool = False):
         """Release the request's pages and slot now; its final output is emitted by the step (or here)."""
         if req.status != FINISHED:
-            self.scheduler.finish(req, reason)
+            self._rank_of(req).scheduler.finish(req, reason)
         req.out.finish_reason = reason
         self.metrics.finished(reason)
         if reason != "abort":
@@ -483,9 +574,19 @@ class Engine:
                             else None, error=o.error, stop_reason=o.stop_reason if finished else None)
         if finished:
             self.requests.pop(req.request_id, None)
+            self._rank.pop(req.request_id, None)
         if req.callback is not None:
             req.callback(out)
         return out
+
+    # ------------------------------------------------------------------ multi-host
+    def follow(self):
+        """Multi-host follower processes: replay the driver's device calls until `shutdown` (multihost.py)."""
+        self.runner.follow()
+
+    def shutdown(self):
+        """Multi-host driver: release the followers (a no-op on one host)."""
+        self.runner.stop_followers()
 
     # ------------------------------------------------------------------ conveniences
     def run_until_done(self, max_steps: int = 100000) -> list[RequestOutput]:
@@ -500,4 +601,5 @@ class Engine:
         return {"model": self.cfg.name, "vocab_size": self.cfg.vocab_size, "max_model_len": self.args.max_model_len,
                 "eos_token_ids": sorted(self.eos_ids), "window": self.cfg.window_size,
                 "swa_bounded_replay": self.args.swa_bounded_replay, "warmup_s": round(self.warmup_s, 2),
-                "compiled_programs": self.runner.compile_count, "kernels": self.args.kernels}
+                "compiled_programs": self.runner.compile_count, "kernels": self.args.kernels,
+                "parallel": None if self.args.parallel is None else self.args.parallel.describe()}

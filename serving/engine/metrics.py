@@ -31,9 +31,15 @@ class Metrics:
     COUNTERS = {
         "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
         "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+        "prefix_cache_skipped": ("dsv41:prefix_cache_skipped_tokens",
+                                 "Prompt tokens whose computation a prefix-cache hit skipped (hits minus replay)"),
         "prompt_tokens": ("vllm:prompt_tokens", "Prompt tokens received"),
         "generation_tokens": ("vllm:generation_tokens", "Tokens generated"),
         "replayed_tokens": ("dsv41:replayed_tokens", "Cached tokens recomputed by SWA bounded replay"),
+        "snapshot_restores": ("dsv41:swa_snapshot_restores", "Exact mode: prefix hits resumed from an SWA snapshot"),
+        "snapshot_misses": ("dsv41:swa_snapshot_misses", "Exact mode: prefix hits with no snapshot (recomputed)"),
+        "snapshot_recomputed_tokens": ("dsv41:swa_snapshot_recomputed_tokens",
+                                       "Exact mode: hit tokens recomputed because no snapshot was at the hit's end"),
         "preemptions": ("vllm:num_preemptions", "Requests preempted (recompute)"),
         "requests_aborted": ("dsv41:request_aborted", "Requests aborted"),
     }

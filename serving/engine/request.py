@@ -33,7 +33,7 @@ class SchedState:
     enc_clip: int = 0  # SWA clip of the encoder band (replay_start)
     dec_clip: int = 0  # SWA clip of the decoder band
     write_from: int = 0  # global KV below this position is cached: never rewritten
-    num_cached: int = 0  # prompt tokens whose computation a prefix-cache hit really skipped
+    num_cached: int = 0  # prompt tokens whose computation a prefix-cache hit really skipped (cached_tokens)
     boundaries: list[int] = field(default_factory=list)  # exact mode: snapshot positions to retain
     registered: int = 0  # pages already published to the prefix cache
     admitted_once: bool = False

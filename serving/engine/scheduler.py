@@ -119,6 +119,9 @@ class Scheduler:
         elif hits and self.snapshots is not None:
             k, restore = self.snapshots.best(s.hashes[:len(hits)])
             start = k * BLOCK
+            if self.metrics:  # where exact mode's time goes: a hit without a snapshot at its end recomputes
+                self.metrics.inc("snapshot_restores" if restore is not None else "snapshot_misses")
+                self.metrics.inc("snapshot_recomputed_tokens", H - start)
         need = pages_for(N) - len(hits)
         self.pool.acquire(hits)
         got = self.pool.allocate(need, now)
@@ -140,10 +143,13 @@ class Scheduler:
         s.slot = self.free_slots.pop()
         s.status = RUNNING
         if not s.admitted_once:
-            s.num_cached = H
+            # cached tokens = tokens whose computation the hit really skips: bounded replay recomputes the last W
+            # of the H hit tokens, exact mode resumes at the snapshot it restores (vLLM's hits counter stays H)
+            s.num_cached = start
             if self.metrics:
                 self.metrics.inc("prefix_cache_queries", N)
                 self.metrics.inc("prefix_cache_hits", H)
+                self.metrics.inc("prefix_cache_skipped", start)
         if self.metrics:
             self.metrics.inc("replayed_tokens", max(H - start, 0))
         s.admitted_once = True
