@@ -9,12 +9,17 @@ Rounding rules (as the reference): UE8M0 scale = 2^ceil(log2(amax * 1/qmax)) fro
 amax clamps 1e-4 (fp8), 6*2^-126 (fp4/ue8m0), 6*2^-9 (fp4/e4m3); E4M3 round-to-nearest-even with
 saturation at 448; E2M1 nearest on {0,.5,1,1.5,2,3,4,6} with ties to the even code.
 
+Gradients: `fp8_qdq` and `fp4_qdq` are straight-through (a custom JVP whose tangent is the identity), so
+quantization-aware training differentiates through every qdq point; their forward values are unchanged.
+
 On-device byte formats (`fp4_pack` / `fp8_pack`): two E2M1 codes per byte, low nibble = even element;
 scales as raw E4M3 / E8M0 bytes. Weight formats of the official checkpoint: FP8 E4M3 with one E8M0 scale
 per 32x32 block, and MXFP4 routed experts (packed E2M1, E8M0 per 32 along the input dimension).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +77,19 @@ def fp8_decode(q, codes, block: int = 32, dtype=F32):
 
 
 def fp8_qdq(x, block: int = 32):
+    """E4M3 values with a UE8M0 scale per `block`, dequantized to x.dtype; straight-through gradient."""
+    return _fp8_qdq_ste(x, block)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _fp8_qdq_ste(x, block):
     q, codes = fp8_encode(x, block)
     return fp8_decode(q, codes, block, x.dtype)
+
+
+@_fp8_qdq_ste.defjvp
+def _fp8_qdq_jvp(block, primals, tangents):
+    return _fp8_qdq_ste(primals[0], block), tangents[0]
 
 
 def fp8_pack(x, block: int = 32):
@@ -134,8 +150,19 @@ def fp4_decode_codes(codes, sbytes, block: int, fmt: str, dtype=F32):
 
 
 def fp4_qdq(x, block: int, fmt: str):
+    """E2M1 values with a `fmt` scale per `block`, dequantized to x.dtype; straight-through gradient."""
+    return _fp4_qdq_ste(x, block, fmt)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _fp4_qdq_ste(x, block, fmt):
     codes, sbytes = fp4_encode(x, block, fmt)
     return fp4_decode_codes(codes, sbytes, block, fmt, x.dtype)
+
+
+@_fp4_qdq_ste.defjvp
+def _fp4_qdq_jvp(block, fmt, primals, tangents):
+    return _fp4_qdq_ste(primals[0], block, fmt), tangents[0]
 
 
 def pack_nibbles(codes):

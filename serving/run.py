@@ -1,7 +1,8 @@
 """`python -m serving.run`: serve a model over gRPC (dsv41.v1) and OpenAI-compatible HTTP in one process.
 
-With no arguments it serves the embedded default model (the `tiny` preset with random weights, byte-level
-tokenizer) on loopback: HTTP on 8000, gRPC on 50051, and prints both addresses when ready. Flags follow
+With no arguments it serves the embedded default model (dsv41_jax/default_model: a small V4.1-architecture model
+trained on the Python standard library, its BPE tokenizer and chat template, an 8K context; on a CPU sized for a
+4-lane agentic session) on loopback: HTTP on 8000, gRPC on 50051, and prints both addresses when ready. Flags follow
 vLLM's names where the concept is the same. See docs/SERVING.md.
 """
 
@@ -13,11 +14,15 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from serving.engine.config import EngineArgs
 
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")
 PRESETS = ("tiny", "small", "medium", "full")
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default_model")
+DEFAULT_MODEL_NAME = "dsv41-stdlib-8k"
+CPU_DEFAULTS = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}  # a 4-lane agentic session on 2 CPU cores
 _D = EngineArgs()  # engine defaults, so the help text stays in sync with the engine
 
 
@@ -43,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     BoolOpt = argparse.BooleanOptionalAction
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", "--checkpoint", dest="model", default="tiny",
-                   help="a preset (tiny | small | medium | full: random weights) or a checkpoint directory "
+    g.add_argument("--model", "--checkpoint", dest="model", default=DEFAULT_MODEL,
+                   help="the embedded default model (a trained small model), a preset (tiny | small | medium | full: "
+                        "random weights) or a checkpoint directory "
                         "(official HF layout or orbax)")
     g.add_argument("--weight-format", default=None, help="checkpoint weight format passed to the loader "
                                                           "(None: detected)")
@@ -61,11 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (None: min(model max_seq_len, 1024)); a preset's random "
+                   help="longest prompt + output in tokens (None: min(model max_seq_len, 8192)); a preset's random "
                         "weights accept any length")
-    g.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens,
-                   help="token budget of one engine step (must be >= the sliding window)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most requests running at once (None: {CPU_DEFAULTS['max_num_seqs']} on a CPU, "
+                        f"{_D.max_num_seqs} otherwise)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget of one engine step, >= the sliding window (None: "
+                        f"{CPU_DEFAULTS['max_num_batched_tokens']} on a CPU, {_D.max_num_batched_tokens} otherwise)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=_D.long_prefill_token_threshold,
                    help="cap on one request's prefill chunk while others wait (0: off)")
     g.add_argument("--prefill-schedule-interval", type=int, default=_D.prefill_schedule_interval,
@@ -87,12 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernels", choices=("xla", "pallas"), default=_D.kernels, help="kernel implementation")
     g.add_argument("--execution", choices=("compiled", "eager"), default=_D.execution,
                    help="compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch")
+    g = p.add_argument_group("parallelism (docs/PARALLELISM.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_D.tensor_parallel_size,
-                   help="devices per tensor-parallel group (only 1 in this build)")
+                   help="devices of the tensor-parallel group: heads, WO-A groups and expert intermediate dims split, "
+                        "the latent KV replicated (low latency)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=_D.data_parallel_size,
-                   help="data-parallel attention ranks (only 1 in this build)")
+                   help="data-parallel attention ranks, each owning its requests, pages and prefix cache; requests "
+                        "placed by session / cached prefix / load")
     g.add_argument("--enable-expert-parallel", action="store_true", default=_D.enable_expert_parallel,
-                   help="split the experts across the data-parallel ranks (not in this build)")
+                   help="split the routed experts across the data-parallel ranks (DEP, all-to-all dispatch)")
+    g.add_argument("--all2all-backend", choices=("auto", "ragged", "padded"), default=_D.all2all_backend,
+                   help="DEP token exchange: ragged_all_to_all (GPU), capacity-padded all_to_all (any backend); "
+                        "auto: ragged on GPU, padded elsewhere")
+    g.add_argument("--moe-capacity-factor", type=float, default=_D.moe_capacity_factor,
+                   help="DEP: rows a rank may receive per step, as a multiple of its own routed rows; rows beyond "
+                        "it are dropped and counted (0: lossless)")
+    g.add_argument("--dp-load-cap", type=int, default=_D.dp_load_cap,
+                   help="a returning session stays on its rank until that rank holds this many more requests "
+                        "than the least loaded one (0: max_num_seqs)")
+    g.add_argument("--nnodes", type=int, default=1, help="processes (hosts) of one engine, through jax.distributed")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this process's rank; 0 serves the APIs, the others replay its device calls (headless)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="address of the node-rank-0 coordinator")
+    g.add_argument("--master-port", type=int, default=29500, help="port of the node-rank-0 coordinator")
     g.add_argument("--prefill-buckets", type=_buckets, default=None,
                    help="prefill chunk sizes to compile, e.g. 64,256 (None: powers of two up to "
                         "max_num_batched_tokens; on CPU just max_num_batched_tokens)")
@@ -141,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> EngineArgs:
-    mbt, seqs = a.max_num_batched_tokens, a.max_num_seqs
-    kw = dict(max_model_len=a.max_model_len or min(max_seq_len, 1024), max_num_seqs=seqs,
+    mbt = a.max_num_batched_tokens or (CPU_DEFAULTS["max_num_batched_tokens"] if on_cpu else _D.max_num_batched_tokens)
+    seqs = a.max_num_seqs or (CPU_DEFAULTS["max_num_seqs"] if on_cpu else _D.max_num_seqs)
+    kw = dict(max_model_len=a.max_model_len or min(max_seq_len, 8192), max_num_seqs=seqs,
               max_num_batched_tokens=mbt, long_prefill_token_threshold=a.long_prefill_token_threshold,
               prefill_schedule_interval=a.prefill_schedule_interval, swa_bounded_replay=a.swa_bounded_replay,
               enable_prefix_caching=a.enable_prefix_caching, num_pages=a.num_pages, session_ttl_s=a.session_ttl,
@@ -150,7 +177,8 @@ def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> Engine
               compilation_cache_dir=cache_dir(a), prefill_buckets=a.prefill_buckets or ((mbt,) if on_cpu else ()),
               decode_buckets=a.decode_buckets or ((seqs,) if on_cpu else ()), seed=a.seed,
               tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-              enable_expert_parallel=a.enable_expert_parallel)
+              enable_expert_parallel=a.enable_expert_parallel, all2all_backend=a.all2all_backend,
+              moe_capacity_factor=a.moe_capacity_factor, dp_load_cap=a.dp_load_cap)
     if hasattr(a, "enable_prompt_logprobs"):
         kw["enable_prompt_logprobs"] = a.enable_prompt_logprobs
     return EngineArgs(**kw)
@@ -176,7 +204,7 @@ def build(a: argparse.Namespace):
     import jax
 
     from dsv41_jax.config import ModelConfig
-    from serving.engine.engine import Engine, load_model
+    from serving.engine.engine import Engine, load_model, make_mesh, model_config_of
     from serving.tokenizer import load_tokenizer
 
     log = logging.getLogger("serving.run")
@@ -200,7 +228,12 @@ def build(a: argparse.Namespace):
     model = a.model
     if is_preset and a.max_model_len and a.max_model_len > ModelConfig.preset(a.model).max_seq_len:
         model = ModelConfig.preset(a.model, max_seq_len=a.max_model_len)  # random weights: any context length
-    cfg, params = load_model(model, a.seed, **kw)
+    known = model_config_of(model, a.weight_format)  # the mesh first: weights go straight onto their shards
+    mesh = layout = None
+    if known is not None:
+        resolved = engine_args(a, known.max_seq_len, on_cpu).resolved(known)
+        mesh, layout = make_mesh(resolved), resolved.parallel
+    cfg, params = load_model(model, a.seed, mesh=mesh, parallel=layout, **kw)
     args = engine_args(a, cfg.max_seq_len, on_cpu)
     spec = _tokenizer_spec(a)
     if spec == "byte" and cfg.vocab_size < 256:
@@ -211,7 +244,9 @@ def build(a: argparse.Namespace):
     engine = Engine(cfg, args, params=params, tokenizer=tok, progress=True)
     log.info("engine ready: %d programs in %.1f s (compilation cache: %s)", engine.runner.compile_count,
              engine.warmup_s, cache or "off")
-    name = a.served_model_name or (a.model if is_preset else os.path.basename(os.path.normpath(a.model)))
+    default_name = DEFAULT_MODEL_NAME if os.path.abspath(a.model) == DEFAULT_MODEL else \
+        os.path.basename(os.path.normpath(a.model))
+    name = a.served_model_name or (a.model if is_preset else default_name)
     config = server_config(a, name, {a.model, cfg.name})
     return engine, config
 
@@ -248,11 +283,23 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing (no TPU, ...) is not news
+    if a.nnodes > 1:  # before JAX starts a backend
+        from serving.engine import multihost
+
+        try:
+            multihost.initialize(a.master_addr, a.master_port, a.nnodes, a.node_rank)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         engine, config = build(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.node_rank > 0:  # headless: replay the driver's device calls until it stops
+        logging.getLogger("serving.run").info("node %d following node 0", a.node_rank)
+        engine.follow()
+        return 0
     from serving.api.server import serve
 
     try:
@@ -260,6 +307,8 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def shared_cache_dir() -> str:
 def small_server_args() -> list[str]:
     """`python -m serving.run` flags equal to SMALL_ENGINE_ARGS (same programs: compilation-cache hits)."""
     a = SMALL_ENGINE_ARGS
-    return ["--max-model-len", str(a["max_model_len"]), "--max-num-seqs", str(a["max_num_seqs"]),
+    return ["--model", "tiny", "--max-model-len", str(a["max_model_len"]), "--max-num-seqs", str(a["max_num_seqs"]),
             "--max-num-batched-tokens", str(a["max_num_batched_tokens"]),
             "--prefill-buckets", ",".join(map(str, a["prefill_buckets"])),
             "--decode-buckets", ",".join(map(str, a["decode_buckets"])), "--compilation-cache-dir", shared_cache_dir()]
