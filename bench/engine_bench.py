@@ -11,6 +11,7 @@ runs on the last 128 rows. Prints a short table last.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -20,6 +21,7 @@ import dsv41_jax  # noqa: F401
 from bench.common import write_result
 from dsv41_jax.config import ModelConfig
 from serving.engine import Engine, EngineArgs, SamplingParams
+from serving.engine.engine import load_model
 
 
 def ttft(engine, rid, prompt, sp, salt):
@@ -36,7 +38,7 @@ def ttft(engine, rid, prompt, sp, salt):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--preset", default="medium", help="a preset (random weights) or a checkpoint directory")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=16384)
@@ -46,12 +48,15 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    cfg = ModelConfig.preset(a.preset)
+    if os.path.isdir(a.preset):  # a checkpoint (e.g. the embedded default model)
+        cfg, params = load_model(a.preset)
+    else:
+        cfg, params = ModelConfig.preset(a.preset), None
     args = EngineArgs(max_model_len=a.max_model_len, max_num_seqs=a.decode_batch, max_num_batched_tokens=a.chunk,
                       prefill_buckets=(cfg.window_size * 4, a.chunk), decode_buckets=(1, a.decode_batch),
                       enable_prompt_logprobs=False)
     t0 = time.perf_counter()
-    eng = Engine(cfg, args)
+    eng = Engine(cfg, args, params=params)
     build_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -424,7 +424,7 @@ def main(argv=None):
               "doc_len": a.doc_len, "H": list(Hs), "next_tokens": a.next, "chunk": a.chunk, "new_tokens": a.new,
               "window": cfg.window_size, "seconds": round(time.perf_counter() - t0, 1), "summary": summary,
               "sample": sample, "nll_by_position": by_pos,
-              "file": str(Path(out).relative_to(REPO)) if Path(out).resolve().is_relative_to(REPO) else out}
+              "file": str(Path(out).resolve().relative_to(REPO)) if Path(out).resolve().is_relative_to(REPO) else out}
     cmd = "python -m bench.replay_quality " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     rec = write_result(out, result, cmd.strip())
     if not a.smoke:

@@ -11,10 +11,14 @@
    Engram table when weight_format == "bf16").
 3. A leaf is assembled from host slabs of at most `slab_bytes` (whole pieces, or row ranges of one piece,
    32-row aligned for FP8 blocks) read with pread directly from the files; a leaf that fits in one slab
-   is one device_put, a larger one is preallocated on device (sharded per `checkpoints.sharding`) and
-   updated in place slab by slab (a donated dynamic_update_slice). At most two slabs are alive on the host
-   (one being read, one being transferred), so peak host memory is about 2 x slab_bytes plus temporaries,
-   independent of the shard size and of the model size.
+   is one device_put, a larger one is preallocated on device and updated in place slab by slab (a donated
+   dynamic_update_slice). At most two slabs are alive on the host (one being read, one being transferred),
+   so peak host memory is about 2 x slab_bytes plus temporaries, independent of the shard size and of the
+   model size.
+4. On a mesh each leaf is built shard by shard (`checkpoints.sharding`; `parallel=` an engine layout): every
+   addressable device preallocates only its own shard and receives only the part of each slab that falls in
+   it, then `jax.make_array_from_single_device_arrays` joins the shards. No device (and no host) ever holds a
+   whole sharded tensor, and in a multi-host run a process reads only the slabs its devices need.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import SingleDeviceSharding
 from tqdm import tqdm
 
 from checkpoints import host_quant
 from checkpoints.hf_layout import I8, U8, scale_name
 from checkpoints.hf_manifest import Manifest, inspect
 from checkpoints.safetensors_io import CheckpointError, pread_into
-from checkpoints.sharding import leaf_sharding, replicated
+from checkpoints.sharding import leaf_sharding
 from checkpoints.tree import unflat
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.params import abstract_params, param_specs
@@ -88,8 +93,8 @@ def _slab_plan(shape, k, itemsize, budget, align):
 
 
 class _Importer:
-    def __init__(self, cfg: ModelConfig, man: Manifest, mesh, expert_axis, slab_bytes, progress):
-        self.cfg, self.man, self.mesh, self.expert_axis = cfg, man, mesh, expert_axis
+    def __init__(self, cfg: ModelConfig, man: Manifest, mesh, expert_axis, slab_bytes, progress, parallel=None):
+        self.cfg, self.man, self.mesh, self.expert_axis, self.parallel = cfg, man, mesh, expert_axis, parallel
         self.slab_bytes = int(slab_bytes)
         self.leaves = param_specs(cfg)
         self.pieces = self._pieces()
@@ -197,7 +202,9 @@ class _Importer:
         else:
             raise AssertionError(p.kind)
 
-    def _slabs(self, path, shape, dtype):
+    def _slabs(self, path, shape, dtype, want=None):
+        """(whole, j, pre, a, buf): slab ``leaf[pre + (a:a+len(buf),)]``; `want(pre, a, b)` False skips one
+        unread."""
         ps = self.pieces[path]
         k = len(next(iter(ps)))
         align = 32 if any(p.kind == "fp8" for p in ps.values()) else 1
@@ -206,6 +213,8 @@ class _Importer:
         for pre in itertools.product(*map(range, shape[:j])):
             for a in range(0, shape[j], c):
                 b = min(shape[j], a + c)
+                if want is not None and not want(pre, a, b):
+                    continue
                 buf = np.empty((b - a, *shape[j + 1:]), dtype)
                 if j < k:
                     for i in range(a, b):
@@ -226,18 +235,59 @@ class _Importer:
 
     def _leaf(self, path, leaf):
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if self.mesh is not None:
+            return self._sharded_leaf(path, shape, dtype)
         # no mesh: uncommitted arrays on the default device, as jit outputs (init_params) are
-        sharding = None if self.mesh is None else leaf_sharding(self.cfg, path, shape, self.mesh, self.expert_axis)
+        sharding = None
         dev = None
         for whole, j, pre, a, buf in self._slabs(path, shape, dtype):
             if whole:
                 return self._put(buf, sharding)
             if dev is None:
                 dev = _zeros_fn(shape, dtype, sharding)()
-            x = self._put(buf.reshape((1,) * j + buf.shape), None if self.mesh is None else replicated(self.mesh))
+            x = self._put(buf.reshape((1,) * j + buf.shape), None)
             start = tuple(np.int32(v) for v in (*pre, a) + (0,) * (len(shape) - j - 1))
             dev = _update_fn(sharding)(dev, x, start)
         return dev
+
+    def _sharded_leaf(self, path, shape, dtype):
+        """Shard by shard: each addressable device allocates its shard and receives only its part of a slab."""
+        sharding = leaf_sharding(self.cfg, path, shape, self.mesh, self.expert_axis, self.parallel)
+        index = {d: tuple(sl.indices(n)[:2] for sl, n in zip(ix, shape))
+                 for d, ix in sharding.addressable_devices_indices_map(shape).items()}
+        groups: dict[tuple, list] = {}
+        for d, box in index.items():
+            groups.setdefault(box, []).append(d)
+        bufs: dict = {}
+
+        def region(pre, a, b):
+            return [(i, i + 1) for i in pre] + [(a, b)] + [(0, n) for n in shape[len(pre) + 1:]]
+
+        def meets(box, reg):
+            return all(max(lo, r0) < min(hi, r1) for (lo, hi), (r0, r1) in zip(box, reg))
+
+        want = lambda pre, a, b: any(meets(box, region(pre, a, b)) for box in groups)  # noqa: E731
+        for whole, j, pre, a, buf in self._slabs(path, shape, dtype, want):
+            if whole:
+                self.bar.update(buf.nbytes)
+                return jax.make_array_from_callback(shape, sharding, lambda ix: buf[ix])
+            reg = region(pre, a, a + buf.shape[0])
+            slab = buf.reshape((1,) * j + buf.shape)
+            for box, devs in groups.items():
+                if not meets(box, reg):
+                    continue
+                lo = [max(b0, r0) for (b0, _), (r0, _) in zip(box, reg)]
+                hi = [min(b1, r1) for (_, b1), (_, r1) in zip(box, reg)]
+                part = np.ascontiguousarray(slab[tuple(slice(l0 - r0, h0 - r0) for l0, h0, (r0, _)
+                                                       in zip(lo, hi, reg))])
+                start = tuple(np.int32(l0 - b0) for l0, (b0, _) in zip(lo, box))
+                for d in devs:
+                    one = SingleDeviceSharding(d)
+                    if d not in bufs:
+                        bufs[d] = _zeros_fn(tuple(b1 - b0 for b0, b1 in box), dtype, one)()
+                    x = self._put(part, one)
+                    bufs[d] = _update_fn(one)(bufs[d], x, start)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [bufs[d] for d in index])
 
     def run(self) -> dict:
         try:
@@ -251,9 +301,10 @@ class _Importer:
 
 
 def import_hf(directory, *, weight_format: str | None = None, mesh=None, expert_axis: str | None = None,
-              slab_bytes: int = SLAB_BYTES, progress: bool = True) -> tuple[ModelConfig, dict]:
+              slab_bytes: int = SLAB_BYTES, progress: bool = True, parallel=None) -> tuple[ModelConfig, dict]:
     """(cfg, params) from an HF-layout directory. weight_format None keeps the checkpoint's format (fp8 for
-    the official quantized layout); "bf16" dequantizes every weight; "fp8" needs a quantized checkpoint."""
+    the official quantized layout); "bf16" dequantizes every weight; "fp8" needs a quantized checkpoint.
+    `mesh` (+ `parallel`, an engine layout): every leaf is built shard by shard on its devices."""
     man = inspect(directory)
     wf = weight_format or man.cfg.weight_format
     if wf == "fp8" and not man.quantized:
@@ -263,4 +314,4 @@ def import_hf(directory, *, weight_format: str | None = None, mesh=None, expert_
     if man.ignored:
         log.info("%s: %d tensors not used by the text model skipped (e.g. %s)", man.directory, len(man.ignored),
                  man.ignored[0])
-    return cfg, _Importer(cfg, man, mesh, expert_axis, slab_bytes, progress).run()
+    return cfg, _Importer(cfg, man, mesh, expert_axis, slab_bytes, progress, parallel).run()

@@ -54,14 +54,17 @@ def to_bf16_weights(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
 
 
 def load(path, *, weight_format: str | None = None, mesh=None, expert_axis: str | None = None,
-         progress: bool = True) -> tuple[ModelConfig, dict]:
+         progress: bool = True, parallel=None) -> tuple[ModelConfig, dict]:
+    """`mesh` + `parallel` (a dsv41_jax.sharding.Parallel): every leaf lands on its shards (see
+    checkpoints.sharding); nothing is materialised whole on one device."""
     d = Path(path)
     if weight_format not in (None, "fp8", "bf16"):
         raise ValueError(f"weight_format {weight_format!r} not in (None, 'fp8', 'bf16')")
     if is_hf_dir(d):
-        return import_hf(d, weight_format=weight_format, mesh=mesh, expert_axis=expert_axis, progress=progress)
+        return import_hf(d, weight_format=weight_format, mesh=mesh, expert_axis=expert_axis, progress=progress,
+                         parallel=parallel)
     if is_orbax_dir(d):
-        cfg, params = restore_orbax(d, mesh=mesh, expert_axis=expert_axis)
+        cfg, params = restore_orbax(d, mesh=mesh, expert_axis=expert_axis, parallel=parallel)
         if weight_format == "fp8" and cfg.weight_format != "fp8":
             raise CheckpointError(f"{d}: holds bf16 weights; weight_format 'fp8' would need requantization")
         if weight_format == "bf16":

@@ -117,11 +117,12 @@ def read_config(directory) -> ModelConfig:
 
 
 def restore_orbax(directory, *, mesh=None, expert_axis: str | None = None,
-                  concurrent_gb: int | None = None) -> tuple[ModelConfig, dict]:
-    """(cfg, params) as saved; leaves placed per `checkpoints.sharding` (mesh or default device)."""
+                  concurrent_gb: int | None = None, parallel=None) -> tuple[ModelConfig, dict]:
+    """(cfg, params) as saved; leaves placed per `checkpoints.sharding` (mesh or default device; `parallel`:
+    an engine layout's rules), read by Orbax straight into each device's shard."""
     d = Path(directory).absolute()
     cfg = read_config(d)
-    target = abstract_sharded(cfg, mesh, expert_axis)
+    target = abstract_sharded(cfg, mesh, expert_axis, parallel)
     ck = _checkpointer(concurrent_gb)
     if not (d / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{d / PARAMS_DIR}: missing Orbax checkpoint directory")

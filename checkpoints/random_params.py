@@ -99,7 +99,7 @@ def plan(cfg: ModelConfig, chunk_elements: int = CHUNK_ELEMENTS):
 
 
 @functools.cache
-def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: int):
+def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: int, parallel=None):
     """The jitted program of one plan group (cached: a new seed reuses it)."""
     kind, items, c = plan(cfg, chunk_elements)[group]
     if kind == "chunked":
@@ -112,17 +112,18 @@ def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: in
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype) if kind == "chunked" else \
         jax.ShapeDtypeStruct((len(items),), jax.random.key(0).dtype)
     names = jax.eval_shape(fn, key).keys()
-    return jax.jit(fn, out_shardings={n: leaf_sharding(cfg, tuple(n.split("/")), shapes[n], mesh, expert_axis)
-                                      for n in names})
+    return jax.jit(fn, out_shardings={n: leaf_sharding(cfg, tuple(n.split("/")), shapes[n], mesh, expert_axis,
+                                                       parallel) for n in names})
 
 
 def random_init(cfg: ModelConfig, seed: int = 0, mesh=None, expert_axis: str | None = None, *,
-                chunk_elements: int = CHUNK_ELEMENTS) -> dict:
+                chunk_elements: int = CHUNK_ELEMENTS, parallel=None) -> dict:
+    """`parallel` (a dsv41_jax.sharding.Parallel): place every leaf by that layout's rules on `mesh`."""
     keys = jax.random.split(jax.random.key(seed), len(tensor_specs(cfg)))
     leaves = {}
     for g, (kind, items, _) in enumerate(plan(cfg, chunk_elements)):
         idx = np.array([i for i, _, _ in items])
-        leaves.update(_program(cfg, g, mesh, expert_axis, chunk_elements)(keys[idx[0]] if kind == "chunked" else
-                                                                          keys[idx]))
+        prog = _program(cfg, g, mesh, expert_axis, chunk_elements, parallel)
+        leaves.update(prog(keys[idx[0]] if kind == "chunked" else keys[idx]))
     specs = abstract_params(cfg)
     return unflat(specs, {p: leaves[_name(p)] for p in flat(specs)})

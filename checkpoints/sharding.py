@@ -1,9 +1,11 @@
 """Where each parameter leaf lives: one device, or a NamedSharding per leaf on a mesh.
 
-Placement follows each leaf's logical axes (dsv41_jax.params.tensor_specs) through the rule table of
-dsv41_jax.sharding — never parameter names. Today's rule: the routed-expert axis ("experts") is split over one
+Placement follows each leaf's logical axes (dsv41_jax.params.tensor_specs) through the rule tables of
+dsv41_jax.sharding — never parameter names. With a parallel layout (`parallel=`, a dsv41_jax.sharding.Parallel:
+what the engine runs) its rules apply, strictly (a dim that does not divide is an error, never silently
+replicated). Without one (the checkpoint tools' meshes), the routed-expert axis ("experts") is split over one
 mesh axis (the axis named by `expert_axis`, else the mesh's "expert" axis, else its first axis) when the
-expert count divides evenly; every other leaf is replicated. Without a mesh every leaf is on the default
+expert count divides evenly, and every other leaf is replicated. Without a mesh every leaf is on the default
 device (`jax.devices()[0]`).
 """
 
@@ -42,11 +44,23 @@ def axes_of(cfg: ModelConfig, path: tuple) -> tuple:
         raise KeyError(f"no parameter leaf {'/'.join(key)} in config {cfg.name}") from None
 
 
-def leaf_sharding(cfg: ModelConfig, path: tuple, shape: tuple, mesh: Mesh | None, expert_axis: str | None = None):
+def rules_for(mesh: Mesh, expert_axis: str | None = None, parallel: logical.Parallel | None = None) -> dict:
+    """The logical-axis rules a placement on `mesh` uses (the layout's, else experts over one axis)."""
+    if parallel is not None:
+        if expert_axis is not None:
+            raise ValueError("pass either a parallel layout or an expert axis, not both")
+        if parallel.axis not in mesh.axis_names:
+            raise ValueError(f"mesh axes {mesh.axis_names} lack the {parallel.describe()} axis {parallel.axis!r}")
+        return parallel.rules
+    return {**logical.DEFAULT_RULES, "experts": expert_axis_of(mesh, expert_axis)}
+
+
+def leaf_sharding(cfg: ModelConfig, path: tuple, shape: tuple, mesh: Mesh | None, expert_axis: str | None = None,
+                  parallel: logical.Parallel | None = None):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
-    rules = {**logical.DEFAULT_RULES, "experts": expert_axis_of(mesh, expert_axis)}
-    return logical.named_sharding(axes_of(cfg, path), shape, mesh, rules)
+    return logical.named_sharding(axes_of(cfg, path), shape, mesh, rules_for(mesh, expert_axis, parallel),
+                                  strict=parallel is not None)
 
 
 def replicated(mesh: Mesh | None):
@@ -54,23 +68,34 @@ def replicated(mesh: Mesh | None):
     return SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None):
+def param_shardings(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None,
+                    parallel: logical.Parallel | None = None):
     """A pytree of shardings shaped like the parameters of `cfg`."""
-    return map_with_path(lambda p, a: leaf_sharding(cfg, p, a.shape, mesh, expert_axis), abstract_params(cfg))
+    return map_with_path(lambda p, a: leaf_sharding(cfg, p, a.shape, mesh, expert_axis, parallel),
+                         abstract_params(cfg))
 
 
-def abstract_sharded(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None):
+def abstract_sharded(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: str | None = None,
+                     parallel: logical.Parallel | None = None):
     """jax.ShapeDtypeStruct leaves with their target shardings (what Orbax restores into)."""
     return map_with_path(
         lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                          sharding=leaf_sharding(cfg, p, a.shape, mesh, expert_axis)),
+                                          sharding=leaf_sharding(cfg, p, a.shape, mesh, expert_axis, parallel)),
         abstract_params(cfg))
 
 
-def module_shardings(model, mesh: Mesh | None = None, expert_axis: str | None = None):
+def place(cfg: ModelConfig, params: dict, mesh: Mesh, parallel: logical.Parallel) -> dict:
+    """Move parameters onto `mesh` with the layout's shardings (leaves already placed so are untouched)."""
+    target = param_shardings(cfg, mesh, parallel=parallel)
+    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s), params,
+                        target)
+
+
+def module_shardings(model, mesh: Mesh | None = None, expert_axis: str | None = None,
+                     parallel: logical.Parallel | None = None):
     """Shardings for an NNX `DSV41`, read from the logical axes its nnx.Params carry (a tree like its params)."""
     if mesh is None:
         return jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), model.pure_params())
-    rules = {**logical.DEFAULT_RULES, "experts": expert_axis_of(mesh, expert_axis)}
-    return jax.tree.map(lambda x, a: logical.named_sharding(a, x.shape, mesh, rules), model.pure_params(),
-                        model.logical_axes(), is_leaf=lambda v: isinstance(v, tuple))
+    rules = rules_for(mesh, expert_axis, parallel)
+    return jax.tree.map(lambda x, a: logical.named_sharding(a, x.shape, mesh, rules, strict=parallel is not None),
+                        model.pure_params(), model.logical_axes(), is_leaf=lambda v: isinstance(v, tuple))

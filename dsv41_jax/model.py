@@ -18,8 +18,11 @@ rewrites cached KV). SWA reads are clipped at enc_clip / dec_clip (SWA bounded r
 caller decides both clips (the engine's ChunkPlan, or `paths`); the model applies them as given.
 
 Inputs are a `ChunkInputs` pytree (named fields, so callers cannot misalign them); the execution context
-(`dsv41_jax.ops.ExecContext`: KV storage strategy, kernel choice) is static and part of the jit key, and every
-op with a kernel or sharded variant is called through `dsv41_jax.ops`.
+(`dsv41_jax.ops.ExecContext`: KV storage strategy, kernel choice, mesh and parallel layout) is static and part
+of the jit key, and every op with a kernel or sharded variant is called through `dsv41_jax.ops` (the model
+only says how tensor parallelism splits a linear: `split="column"` for wq_b, `"row"` for WO-B). Under a
+data-parallel layout the caller runs this step inside `ops.data_parallel`, one rank's rows per call; a
+`state["moe_dropped"]` counter, when present, accumulates the rows the DEP capacity dropped.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
     freqs = jnp.asarray(layer_freqs(cfg, ratio))
     ap, aref = lp["attn"], lref["attn"]
     qr = layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wq_a"], x), ap["q_norm"])
-    q = apply_rope(ops.linear(ex, cfg, aref["wq_b"], qr).reshape(B, T, H, d), rows.qpos, freqs)
+    q = apply_rope(ops.linear(ex, cfg, aref["wq_b"], qr, split="column").reshape(B, T, H, d), rows.qpos, freqs)
     kv = apply_rope(layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wkv"], x), ap["kv_norm"]), rows.qpos, freqs)
     if cfg.qdq:
         kv = quant.fp8_qdq(kv, 32)
@@ -156,7 +159,7 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
     state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
     o = apply_rope(o, rows.qpos, freqs, inverse=True)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
-    return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1)), state, shared, topk
+    return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, topk
 
 
 def _build_global(cfg, ex, params, slot, ratio, x, state, rows: _Rows):
@@ -190,8 +193,10 @@ def _block(cfg, ex, seg, kind, params, l, slot, carry, rows, forced):
     h = layers.hc_post(o, h, a_post, a_comb)
     f_pre, f_post, f_comb = ops.hc_mixes(ex, cfg, h, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
     x = layers.rms_norm(cfg, layers.hc_pre(h, a_pre), lp["ffn_norm"])
-    h = layers.hc_post(ops.moe(ex, cfg, lref["ffn"], x), h, f_post, f_comb)
-    return (h, f_pre, state, shared), topk
+    valid = (rows.qpos - rows.pos0[:, None]) < rows.n_valid[:, None]  # padding rows: never dispatched (DEP)
+    y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid)
+    h = layers.hc_post(y, h, f_post, f_comb)
+    return (h, f_pre, state if ex.parallel is None else ops.count_dropped(state, dropped), shared), topk
 
 
 def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced: dict | None):

@@ -2,27 +2,37 @@
 or a sharded variant, and the only module of the model package that may import `pallas_kernels`.
 
 `ExecContext` is the frozen execution context of a compiled program: the global-KV storage strategy
-(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas") and, later, the device mesh.
-It is hashable and passed as a static argument, so it is part of every jit key: two contexts never share a
+(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas") and the device mesh with its
+parallel layout (`dsv41_jax.sharding.Parallel`: TP or DP/DEP; None: one device, no mesh at all). It is
+hashable and passed as a static argument, so it is part of every jit key: two contexts never share a
 compiled program, and nothing is chosen by environment variables or at import time.
 
 Every op below takes the context first. Its XLA branch is the reference (the functions of `layers` /
 `attention` / `kv_cache`), and it is the default. A Pallas branch exists only where `PALLAS_OPS` has an
 implementation; asking for `kernels="pallas"` while any op still lacks one fails when the context is built,
 naming those ops: there is no silent fallback.
+
+Sharded branches (the bodies live in `dsv41_jax.parallel`, the only module that calls shard_map): under
+tensor parallelism `linear(split="column"|"row")`, `csa_attention`, `grouped_out_proj`, `indexer` and `moe` run
+their single-device implementation on each rank's shard inside a shard_map (psum where a contraction is
+split); under data parallelism the caller runs the whole step inside `data_parallel` and every op is local
+except `moe`, which dispatches tokens to the experts' ranks (DEP). Without a mesh every op is exactly the
+single-device op.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax import attention as attn
-from dsv41_jax import layers, quant
+from dsv41_jax import layers, parallel, quant
 from dsv41_jax.kv_cache import DenseKV
+from dsv41_jax.params import lin_weight
+from dsv41_jax.sharding import Parallel
 from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mhc
 from pallas_kernels import indexer as index_kernel
@@ -41,12 +51,23 @@ def _view(p):
     return p["weight"], p.get("scale"), None
 
 
-def _pallas_linear(cfg, p, x):
+def _pallas_linear_f32(cfg, p, x):
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
     xq = layers.act_qdq(cfg, x.astype(dt), p)
     y = gemm.matmul(xq.reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
-    return y.astype(dt).reshape(*x.shape[:-1], y.shape[-1])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _pallas_linear(cfg, p, x):
+    return _pallas_linear_f32(cfg, p, x).astype(layers.cdtype(cfg))
+
+
+def _xla_linear_f32(cfg, p, x):
+    """`layers.linear` before its final rounding (the partial products of a row-parallel linear)."""
+    p = materialize(p)
+    dt = layers.cdtype(cfg)
+    return layers.mm(layers.act_qdq(cfg, x.astype(dt), p), lin_weight(p, dt), "...i,oi->...o")
 
 
 def _pallas_routed_experts(cfg, p, x, weights, idx):
@@ -166,16 +187,36 @@ def check_kernels(kernels: str):
 class ExecContext:
     kv: object = DenseKV()  # global-KV storage: DenseKV (per-sequence buffers) or PagedKV (the page pool)
     kernels: str = "xla"
-    mesh: object = None  # reserved for TP / DEP meshes (issue: parallelism); must be None today
+    mesh: object = None  # jax Mesh (or AbstractMesh, for lowering only) of `parallel`; None: one device
+    parallel: Parallel | None = None  # the layout over `mesh` (TP or DP/DEP)
 
     def __post_init__(self):
         check_kernels(self.kernels)
-        if self.mesh is not None:
-            raise ValueError("ExecContext.mesh: sharded execution is not available in this build")
+        if (self.mesh is None) != (self.parallel is None):
+            raise ValueError("ExecContext: a mesh needs its parallel layout and a layout needs its mesh")
+        if self.parallel is not None:
+            par = self.parallel
+            if tuple(self.mesh.axis_names) != (par.axis,) or self.mesh.shape[par.axis] != par.size:
+                raise ValueError(f"ExecContext: mesh {dict(self.mesh.shape)} does not match {par.describe()}")
+            if par.mode == "tp" and self.pallas:
+                raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split "
+                                 "mode yet (use --kernels xla, or --data-parallel-size)")
+            if par.ep and par.a2a == "auto":
+                raise ValueError("ExecContext: resolve the all-to-all backend first (Parallel.resolved)")
 
     @property
     def pallas(self) -> bool:
         return self.kernels == "pallas"
+
+    @property
+    def tp(self) -> bool:
+        """Tensor parallel: the ops below wrap their own shard_map."""
+        return self.parallel is not None and self.parallel.mode == "tp"
+
+    @property
+    def ep(self) -> bool:
+        """Expert parallel (DEP): the caller runs the step inside `data_parallel`; moe exchanges tokens."""
+        return self.parallel is not None and self.parallel.ep
 
 
 DEFAULT = ExecContext()
@@ -185,11 +226,19 @@ def _impl(ex: ExecContext, name: str):
     return PALLAS_OPS[name] if ex.pallas else None
 
 
+def _local_linear(ex: ExecContext):
+    return _impl(ex, "linear") or layers.linear
+
+
 # ----------------------------------------------------------------------------- GEMMs
-def linear(ex: ExecContext, cfg, p, x):
-    """y = x W^T for a bf16 or FP8 block-32 linear (`layers.linear`), output in the compute dtype."""
-    impl = _impl(ex, "linear")
-    return layers.linear(cfg, p, x) if impl is None else impl(cfg, p, x)
+def linear(ex: ExecContext, cfg, p, x, split: str | None = None):
+    """y = x W^T for a bf16 or FP8 block-32 linear (`layers.linear`), output in the compute dtype.
+    split: how tensor parallelism splits it: "column" (output rows; the result stays split on its last dim),
+    "row" (input columns, x split on its last dim; psum) or None (replicated). Ignored without TP."""
+    if split is not None and ex.tp:
+        f32 = _pallas_linear_f32 if ex.pallas else _xla_linear_f32
+        return parallel.tp_linear(ex, cfg, p, x, split, _local_linear(ex), f32)
+    return _local_linear(ex)(cfg, p, x)
 
 
 def lin(ex: ExecContext):
@@ -202,19 +251,43 @@ def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):
     return layers.routed_experts(cfg, p, x, weights, idx) if impl is None else impl(cfg, p, x, weights, idx)
 
 
-def moe(ex: ExecContext, cfg, p, x):
-    """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs)."""
-    return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex))
+def moe(ex: ExecContext, cfg, p, x, valid=None):
+    """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs).
+    valid [B, T] bool marks real rows (DEP never sends the others). Returns (y like x, rows dropped by the DEP
+    capacity: int32 scalar, 0 elsewhere)."""
+    none = jnp.zeros((), jnp.int32)
+    if not (ex.tp or ex.ep):
+        return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex)), none
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    w, idx = layers.gate(cfg, materialize(p["gate"]), x2)
+    if ex.tp:
+        y, dropped = parallel.tp_moe(ex, cfg, p, x2, w, idx, _local_linear(ex)), none
+    else:
+        ok = jnp.ones(x2.shape[0], bool) if valid is None else valid.reshape(-1)
+        experts_local = partial(routed_experts, replace(ex, mesh=None, parallel=None))
+        y, dropped = parallel.ep_moe(ex, cfg, p, x2, w, idx, ok, experts_local, _local_linear(ex))
+    return y.astype(x.dtype).reshape(shape), dropped
+
+
+def _grouped_out_proj_local(ex: ExecContext):
+    impl = _impl(ex, "grouped_out_proj")
+    if impl is not None:
+        return impl
+
+    def xla(cfg, w, o):
+        wo_a = materialize(w).astype(o.dtype).reshape(o.shape[2], cfg.o_lora_rank, -1)
+        return layers.mm(o, wo_a, "btgd,grd->btgr").astype(o.dtype)
+
+    return xla
 
 
 def grouped_out_proj(ex: ExecContext, cfg, w, o):
     """WO-A: o [B, T, G, H*d/G] -> [B, T, G, o_lora_rank], one block-diagonal (per output group) projection with
-    the bf16 weight w [G*o_lora_rank, H*d/G] (a LayerRef or an array)."""
-    impl = _impl(ex, "grouped_out_proj")
-    if impl is not None:
-        return impl(cfg, w, o)
-    wo_a = materialize(w).astype(o.dtype).reshape(cfg.o_groups, cfg.o_lora_rank, -1)
-    return layers.mm(o, wo_a, "btgd,grd->btgr").astype(o.dtype)
+    the bf16 weight w [G*o_lora_rank, H*d/G] (a LayerRef or an array). TP: each rank its output groups."""
+    if ex.tp:
+        return parallel.tp_grouped_out_proj(ex, _grouped_out_proj_local(ex), cfg, w, o)
+    return _grouped_out_proj_local(ex)(cfg, w, o)
 
 
 def engram(ex: ExecContext, cfg, p, h, ids):
@@ -241,7 +314,16 @@ def csa_attention(ex: ExecContext, cfg, q, kv, state, l, qpos, pos0, clip, fresh
                   sink):
     """One layer's CSA2 attention core (before the inverse RoPE): q [B,T,H,d] over each row's sliding window
     (the ring before this chunk + the chunk's own kv [B,T,d], in the reference's list order, clipped at `clip`)
-    followed by its selected compressed latents (sel [B,T,k], -1 = none; None for SWA-only layers)."""
+    followed by its selected compressed latents (sel [B,T,k], -1 = none; None for SWA-only layers).
+    TP: each rank its heads of q and sink, over the replicated window / latents."""
+    local = partial(_csa_local, replace(ex, mesh=None, parallel=None))
+    if ex.tp:
+        return parallel.tp_attention(ex, local, cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src,
+                                     sink)
+    return local(cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src, sink)
+
+
+def _csa_local(ex: ExecContext, cfg, q, kv, state, l, qpos, pos0, clip, fresh: bool, sel, ratio: int, src, sink):
     impl = _impl(ex, "sparse_attention")
     if impl is not None and not fresh:
         return impl(cfg, ex.kv, q, kv, state, l, pos0, clip, sel, ratio, src, sink)
@@ -287,9 +369,33 @@ def indexer(ex: ExecContext, cfg, p, x, qr, qpos, state, ratio: int, src, freqs,
     if impl is not None:
         return impl(cfg, ex.kv, p, x, qr, qpos, state, ratio, src, freqs, cand_source, uses_cand, cand)
     index_k = index_keys(ex, state, ratio, src)
-    scores = attn.index_scores(cfg, p, x, qr, qpos, index_k, ratio, freqs, lin=lin(ex))
+    if ex.tp:
+        scores = parallel.tp_index_scores(ex, cfg, p, x, qr, qpos, index_k, ratio, freqs, layers.linear)
+    else:
+        scores = attn.index_scores(cfg, p, x, qr, qpos, index_k, ratio, freqs, lin=lin(ex))
     if cand_source:
         cand = attn.candidate_blocks(cfg, scores, qpos, ratio)
     elif uses_cand:
         scores = attn.mask_to_candidates(scores, cand, cfg.candidate_block_size)
     return attn.select_topk(cfg, scores, qpos, ratio), cand
+
+
+# ----------------------------------------------------------------------------- data parallelism
+def data_parallel(ex: ExecContext, fn, in_specs, out_specs):
+    """Run `fn` once per data-parallel rank on its block of every argument (see dsv41_jax.parallel): the
+    region inside which a DEP context's `moe` exchanges tokens."""
+    if ex.parallel is None or ex.parallel.mode != "dp":
+        raise ValueError("data_parallel needs a context with a data-parallel layout")
+    return parallel.data_parallel(ex, fn, in_specs, out_specs)
+
+
+def gather_rows(x):
+    """Inside `data_parallel`: every rank's rows of x as one array, identical on every rank."""
+    return parallel.gather_rows(x)
+
+
+def count_dropped(state: dict, dropped):
+    """Add a MoE call's dropped rows to state["moe_dropped"] when the caller keeps that counter."""
+    if "moe_dropped" not in state:
+        return state
+    return dict(state, moe_dropped=state["moe_dropped"] + dropped)

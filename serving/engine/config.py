@@ -1,4 +1,12 @@
-"""Engine arguments (names follow vLLM's flags where the concept matches)."""
+"""Engine arguments (names follow vLLM's flags where the concept matches).
+
+Parallelism (docs/PARALLELISM.md): `tensor_parallel_size` N (TP over N devices) or `data_parallel_size` N
+(N attention ranks, each owning its requests, pages, rings and prefix cache) with `enable_expert_parallel`
+(DEP: the routed experts split over those ranks). Under DP, `max_num_seqs`, `max_num_batched_tokens`,
+`num_pages` and `snapshot_slots` are per rank (as each vLLM DP rank is an engine of its own);
+`max_queued_requests` is for the whole engine. `resolved()` turns the flags into `parallel` (a
+dsv41_jax.sharding.Parallel, None on one device) and rejects layouts the model or the devices cannot run.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ from dataclasses import dataclass, field
 
 from dsv41_jax.kv_format import pages_for
 from dsv41_jax.ops import check_kernels
+from dsv41_jax.sharding import Parallel, check_layout
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -41,6 +50,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"  # DEP token exchange: auto | ragged (GPU) | padded | emulated (CPU tests)
+    moe_capacity_factor: float = 0.0  # DEP: rows a rank may receive per call / its own routed rows (0: lossless)
+    dp_load_cap: int = 0  # DEP/DP: a session leaves its rank once that rank holds this many more requests
+    #                       than the least loaded one (0: max_num_seqs)
+    force_mesh: bool = False  # run the sharded programs even on one device (a mesh of size 1; benchmarks)
+    parallel: Parallel | None = None  # resolved from the flags above (do not set)
 
     def resolved(self, cfg) -> EngineArgs:
         """Fill derived defaults and validate against the model config."""
@@ -56,8 +71,11 @@ class EngineArgs:
         if a.execution not in ("compiled", "eager"):
             raise ValueError(f"--execution must be compiled or eager, got {a.execution!r}")
         check_kernels(a.kernels)  # names the ops without a Pallas version; never a silent fallback
-        if a.tensor_parallel_size != 1 or a.data_parallel_size != 1 or a.enable_expert_parallel:
-            raise ValueError("tensor/data/expert parallelism is not available in this build (single device)")
+        a.parallel = _layout(a, cfg)
+        if a.dp_load_cap < 0:
+            raise ValueError("dp_load_cap must be >= 0")
+        if not a.dp_load_cap:
+            a.dp_load_cap = a.max_num_seqs
         if not a.prefill_buckets:
             a.prefill_buckets = _pow2_buckets(min(16, a.max_num_batched_tokens), a.max_num_batched_tokens)
         a.prefill_buckets = tuple(sorted(set(a.prefill_buckets)))
@@ -76,3 +94,26 @@ class EngineArgs:
         if not a.snapshot_slots:
             a.snapshot_slots = 2 * a.max_num_seqs
         return a
+
+
+def _layout(a: EngineArgs, cfg) -> Parallel | None:
+    """The parallel layout of the flags, checked against the model and the visible devices."""
+    import jax
+
+    par = Parallel.from_flags(a.tensor_parallel_size, a.data_parallel_size, a.enable_expert_parallel,
+                              a.force_mesh, a2a=a.all2all_backend, capacity_factor=a.moe_capacity_factor)
+    if par is None:
+        return None
+    n = jax.device_count()
+    if par.size > n:
+        kind = "tensor" if par.mode == "tp" else "data"
+        flag = "--tensor-parallel-size" if par.mode == "tp" else "--data-parallel-size"
+        raise ValueError(f"{kind} parallelism is not available with {n} device(s): {flag} {par.size} needs "
+                         f"{par.size} devices")
+    check_layout(cfg, par, n, jax.process_count())
+    if a.execution == "eager":
+        raise ValueError("--execution eager runs on one device only (parallel layouts need compiled programs)")
+    if a.kernels == "pallas" and par.mode == "tp":
+        raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split mode "
+                         "yet (use --kernels xla, or --data-parallel-size)")
+    return par.resolved(jax.default_backend())

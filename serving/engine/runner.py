@@ -16,6 +16,16 @@ Every chunk/decode program takes (params, pools, StepInputs) and returns (pools,
 
 Invariant: after a program call the runner holds valid pools, or `pools_lost()` is true (the call failed after
 the pools were donated); the engine then calls `reset_pools()` and recomputes what was lost.
+
+Parallel layouts (`args.parallel`, a dsv41_jax.sharding.Parallel; docs/PARALLELISM.md):
+- TP: the parameters are split per the layout's rules; pools, inputs and outputs are replicated (the single
+  latent KV is shared by all heads, so every rank holds the same pages and rings).
+- DP / DEP over N ranks: every pool gets N blocks along its page / slot axis, rank r's block on device r
+  (`pages` [N*P, ...], `swa` [L, N*(S+1), ...], ...), and a program's inputs hold N blocks of the bucket's rows
+  (rank r's rows r*B .. r*B+B-1, with rank-local slots and page ids). The program body runs once per rank
+  inside `ops.data_parallel` on its own block; a rank without work gets padding rows (scratch slot, null
+  pages, n_valid 0) and still joins the expert all-to-all. Packed outputs come back replicated ([N*B, w]).
+  Under DEP `moe_dropped` [N] counts the rows each rank's capacity dropped.
 """
 
 from __future__ import annotations
@@ -26,16 +36,21 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from dsv41_jax import quant
+from dsv41_jax import ops, quant
 from dsv41_jax.kv_cache import PagedKV, PageLayout
 from dsv41_jax.kv_format import swa_entry_bytes
 from dsv41_jax.layers import cdtype
 from dsv41_jax.model import step_impl
 from dsv41_jax.ops import ExecContext
 from dsv41_jax.params import source_slots
+from dsv41_jax.sharding import DATA, param_partition_specs
+from serving.engine import multihost
 from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW
+from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
 from serving.engine.sampler import sample
 from serving.engine.step_io import (
     DECODE,
@@ -79,39 +94,117 @@ def _check_pallas_config(cfg):
         raise ValueError("--kernels pallas does not support this model config: " + "; ".join(problems))
 
 
+def _pool_axis(name: str) -> int:
+    """The axis of a pool that holds the data-parallel ranks' blocks (pages / slots / snapshot slots)."""
+    return 0 if name in ("pages", "moe_dropped") else 1
+
+
 class Runner:
-    def __init__(self, cfg, params, args, max_pages: int):
-        self.cfg, self.params, self.args = cfg, params, args
+    def __init__(self, cfg, params, args, max_pages: int, mesh=None, *, abstract: bool = False):
+        """`abstract`: nothing is allocated or placed; params and pools are ShapeDtypeStructs on `mesh` (which may
+        be an AbstractMesh), for `lower` only (`Runner.for_lowering`)."""
+        self.cfg, self.args = cfg, args
         self.max_pages = max_pages  # page-table width = pages_for(max_model_len)
         self.layout = PageLayout.for_config(cfg)
         if args.kernels == "pallas":
             _check_pallas_config(cfg)
-        self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels)
+        self.par = getattr(args, "parallel", None)
+        if (self.par is None) != (mesh is None):
+            raise ValueError("Runner: a parallel layout needs its mesh (and a mesh its layout)")
+        self.mesh = mesh
+        self.dp = self.par is not None and self.par.mode == "dp"
+        self.n_ranks = self.par.size if self.dp else 1  # data-parallel ranks (blocks of every pool)
+        self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels, mesh=mesh,
+                              parallel=self.par)
+        if mesh is not None:
+            self.param_specs = param_partition_specs(cfg, self.par, mesh)
+            if not abstract:
+                from checkpoints.sharding import place
+
+                params = place(cfg, params, mesh, self.par)
+        self.params = params
         self.S = args.max_num_seqs
         self.n_r2 = source_slots(cfg)[1].get("src_r2", 0)
         self.n_cols = ((cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads) if cfg.engram_layer_ids else 0
         self.n_eng = len(cfg.engram_layer_ids)
-        self.pools = self._alloc_pools()
+        self.pools = self._abstract_pools() if abstract else self._alloc_pools()
         self.programs: dict[ProgramKey, object] = {}
         self.compile_count = 0
+        self.channel = None  # multi-host: the driver -> followers command stream (serving.engine.multihost)
 
     # ------------------------------------------------------------------ pools
-    def _alloc_pools(self):
-        cfg, a = self.cfg, self.args
+    def _pool_shapes(self) -> dict:
+        """name -> (shape, dtype, fill) of every pool (N rank blocks along `_pool_axis` under DP)."""
+        cfg, a, N = self.cfg, self.args, self.n_ranks
         W, d = cfg.window_size, cfg.head_dim
         e = swa_entry_bytes(cfg)
-        pools = {"pages": jnp.zeros((a.num_pages, self.layout.page_bytes), jnp.uint8),
-                 "swa": jnp.zeros((cfg.n_layers, self.S + 1, W, e), jnp.uint8)}
+        f32, u8 = jnp.float32, jnp.uint8
+        shapes = {"pages": ((N * a.num_pages, self.layout.page_bytes), u8, 0),
+                  "swa": ((cfg.n_layers, N * (self.S + 1), W, e), u8, 0)}
         if self.n_r2:
-            pools["comp_kv"] = jnp.zeros((self.n_r2, self.S + 1, 2, d), jnp.float32)
-            pools["comp_score"] = jnp.full((self.n_r2, self.S + 1, 2, d), -jnp.inf, jnp.float32)
+            shapes["comp_kv"] = ((self.n_r2, N * (self.S + 1), 2, d), f32, 0)
+            shapes["comp_score"] = ((self.n_r2, N * (self.S + 1), 2, d), f32, -jnp.inf)
         if not a.swa_bounded_replay:
-            n = a.snapshot_slots
-            pools["snap_swa"] = jnp.zeros((cfg.n_layers, n, W, e), jnp.uint8)
+            n = a.snapshot_slots + (1 if self.dp else 0)  # DP: a scratch snapshot slot for idle ranks
+            shapes["snap_swa"] = ((cfg.n_layers, N * n, W, e), u8, 0)
             if self.n_r2:
-                pools["snap_comp_kv"] = jnp.zeros((self.n_r2, n, 2, d), jnp.float32)
-                pools["snap_comp_score"] = jnp.full((self.n_r2, n, 2, d), -jnp.inf, jnp.float32)
-        return pools
+                shapes["snap_comp_kv"] = ((self.n_r2, N * n, 2, d), f32, 0)
+                shapes["snap_comp_score"] = ((self.n_r2, N * n, 2, d), f32, -jnp.inf)
+        if self.par is not None and self.par.ep:
+            shapes["moe_dropped"] = ((N,), jnp.int32, 0)
+        return shapes
+
+    def pool_specs(self) -> dict:
+        """PartitionSpec of each pool: rank blocks split over "data" (DP), replicated (TP)."""
+        return {k: P(*[None] * _pool_axis(k), DATA) if self.dp else P() for k in self._pool_shapes()}
+
+    def _alloc_pools(self):
+        out = {}
+        specs = self.pool_specs() if self.mesh is not None else {}
+        for k, (shape, dt, fill) in self._pool_shapes().items():
+            if self.mesh is None:
+                out[k] = jnp.full(shape, fill, dt)
+            else:  # built on the devices, each with its block only
+                out[k] = jax.jit(partial(jnp.full, shape, fill, dt),
+                                 out_shardings=NamedSharding(self.mesh, specs[k]))()
+        return out
+
+    def _abstract_pools(self):
+        specs = self.pool_specs() if self.mesh is not None else {}
+        return {k: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(self.mesh, specs[k]) if specs else None)
+                for k, (shape, dt, _) in self._pool_shapes().items()}
+
+    @classmethod
+    def for_lowering(cls, cfg, args, max_pages: int, mesh):
+        """A runner over abstract parameters and pools on `mesh` (a Mesh or AbstractMesh, with args.parallel set):
+        `lower(key)` then gives each program's StableHLO without any device memory (ahead-of-time checks for
+        device counts this host does not have)."""
+        from dsv41_jax.params import abstract_params
+
+        abs_p = abstract_params(cfg)
+        if mesh is not None:
+            specs = param_partition_specs(cfg, args.parallel, mesh)
+            abs_p = jax.tree.map(lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                    sharding=NamedSharding(mesh, sp)), abs_p, specs)
+        return cls(cfg, abs_p, args, max_pages, mesh, abstract=True)
+
+    def lower(self, key: ProgramKey, platforms: tuple[str, ...] | None = None):
+        """The jax `Lowered` of one program (for `platforms`, e.g. ("cuda",); default: this host's backend)."""
+        fn = self._fn(key)
+        if key.kind in (SNAP_SAVE, SNAP_LOAD):
+            i32 = self._slot_arg()
+            traced = jax.jit(fn, donate_argnums=(0,)).trace(self.pools, i32, i32)
+        else:
+            traced = jax.jit(fn, donate_argnums=(1,)).trace(self.params, self.pools, self._abstract_inputs(key))
+        return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+    def moe_dropped(self) -> int:
+        """DEP: routed rows the capacity dropped so far, over this process's ranks. Never waits for the device:
+        while a step is in flight it returns the last value read."""
+        v = self.pools.get("moe_dropped")
+        if v is not None and not v.is_deleted() and v.is_ready():
+            self._dropped_seen = int(sum(np.asarray(s.data).sum() for s in v.addressable_shards))
+        return getattr(self, "_dropped_seen", 0)
 
     def pool_bytes(self) -> dict:
         return {k: int(v.size * v.dtype.itemsize) for k, v in self.pools.items()}
@@ -122,16 +215,50 @@ class Runner:
 
     def reset_pools(self):
         """Fresh zeroed pools (after a failure that lost them): every page and ring must be recomputed."""
+        self._announce(OP_RESET)
         for v in self.pools.values():
             if not v.is_deleted():
                 v.delete()
         self.pools = self._alloc_pools()
 
     # ------------------------------------------------------------------ program bodies
+    def _dp_region(self, fn, *, inputs: bool, outputs: bool):
+        """fn(params?, pools, *args) run per data-parallel rank on its blocks; packed outputs gathered."""
+        pspec = self.pool_specs()
+        rank = P(DATA)
+
+        def body(*args):
+            out = fn(*args)
+            if not outputs:
+                return out
+            pools, packed = out
+            return pools, (None if packed is None else ops.gather_rows(packed))
+
+        def specs(args):
+            lead = (self.param_specs, pspec) if inputs else (pspec,)
+            return (*lead, *[jax.tree.map(lambda _: rank, a) for a in args[len(lead):]])
+
+        def run(*args):
+            out_specs = (pspec, P()) if outputs else pspec
+            return ops.data_parallel(self.ex, body, specs(args), out_specs)(*args)
+
+        return run
+
     def _step(self, params, pools, inp: StepInputs, *, key: ProgramKey):
+        if self.dp:
+            return self._dp_region(partial(self._step_local, key=key), inputs=True, outputs=True)(params, pools, inp)
+        out, packed = self._step_local(params, pools, inp, key=key)
+        if self.mesh is not None:  # TP: pools stay replicated across calls (donation aliases them)
+            out = {k: jax.lax.with_sharding_constraint(v, NamedSharding(self.mesh, P())) for k, v in out.items()}
+        return out, packed
+
+    def _step_local(self, params, pools, inp: StepInputs, *, key: ProgramKey):
+        """One rank's program (the whole program without DP): rank-local pools, slots and page ids."""
         cfg = self.cfg
         slots = inp.slots
         state = {"pages": pools["pages"], "page_table": inp.page_table}
+        if "moe_dropped" in pools:
+            state["moe_dropped"] = pools["moe_dropped"].reshape(())
         if self.ex.pallas:  # the kernels read the packed rings in place and write only the new entries
             state.update(swa_pool=pools["swa"], slots=slots)
         else:
@@ -151,6 +278,8 @@ class Runner:
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state["comp_kv"])
             out["comp_score"] = pools["comp_score"].at[:, slots].set(state["comp_score"])
+        if "moe_dropped" in pools:
+            out["moe_dropped"] = state["moe_dropped"].reshape(1)
         if not key.sample:
             return out, None
         s = inp.sampling
@@ -169,6 +298,13 @@ class Runner:
         return out, pack_outputs(res, T, key.all_logits)
 
     def _snap(self, pools, src, dst, *, save: bool):
+        if self.dp:  # src / dst: one slot per rank [N]
+            return self._dp_region(partial(self._snap_local, save=save), inputs=False, outputs=False)(pools, src, dst)
+        return self._snap_local(pools, src, dst, save=save)
+
+    def _snap_local(self, pools, src, dst, *, save: bool):
+        if self.dp:
+            src, dst = src[0], dst[0]
         out = dict(pools)
         pairs = [("swa", "snap_swa")] + ([("comp_kv", "snap_comp_kv"), ("comp_score", "snap_comp_score")]
                                          if self.n_r2 else [])
@@ -204,9 +340,19 @@ class Runner:
         return ProgramKey(PREFILL, T, plan.decoder, sample=plan.sample)
 
     def inputs(self, key: ProgramKey) -> StepInputs:
-        """Zero-filled host inputs for `key` (the engine fills the rows it uses)."""
-        return StepInputs.host(key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols, self.cfg.vocab_size,
-                               key.all_logits, self.S)
+        """Zero-filled host inputs for `key` (the engine fills the rows it uses): n_ranks blocks of the bucket's
+        rows, rank r's row i at r * key.batch + i."""
+        return StepInputs.host(self.n_ranks * key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
+                               self.cfg.vocab_size, key.all_logits, self.S)
+
+    def _abstract_inputs(self, key: ProgramKey):
+        inp = StepInputs.abstract(self.n_ranks * key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
+                                  self.cfg.vocab_size, key.all_logits)
+        if self.mesh is None:
+            return inp
+        spec = P(DATA) if self.dp else P()
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=NamedSharding(self.mesh, spec)), inp)
 
     def _fn(self, key: ProgramKey):
         if key.kind in (SNAP_SAVE, SNAP_LOAD):
@@ -224,17 +370,48 @@ class Runner:
                 self.programs[key] = fn
                 continue
             if key.kind in (SNAP_SAVE, SNAP_LOAD):
-                i32 = jax.ShapeDtypeStruct((), np.int32)
+                i32 = self._slot_arg()
                 self.programs[key] = jax.jit(fn, donate_argnums=(0,)).lower(self.pools, i32, i32).compile()
             else:
-                inp = StepInputs.abstract(key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
-                                          self.cfg.vocab_size, key.all_logits)
+                inp = self._abstract_inputs(key)
                 self.programs[key] = jax.jit(fn, donate_argnums=(1,)).lower(self.params, self.pools, inp).compile()
             self.compile_count += 1
+        if self.mesh is not None and multihost.spans_processes(self.mesh):
+            self.channel = multihost.Channel(list(self.programs))
         return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ multi-host
+    def _announce(self, op: int, key=None, *args: int, inputs=None):
+        if self.channel is not None and self.channel.driver:
+            self.channel.send(op, key, *args, inputs=inputs)
+
+    def stop_followers(self):
+        """Multi-host driver: release the followers' `follow` loops (no-op elsewhere)."""
+        self._announce(OP_STOP)
+
+    def follow(self):
+        """Multi-host follower: replay the driver's program calls until it stops."""
+        if self.channel is None or self.channel.driver:
+            raise RuntimeError("Runner.follow runs on a multi-host follower process only")
+        while True:
+            op, key, args = self.channel.receive_header()
+            if op == OP_RUN:
+                self._call(key, self.channel.receive_inputs(self.inputs(key)))
+            elif op == OP_SNAP:
+                self._snapshot(key, *args[:3])
+            elif op == OP_RESET:
+                self.reset_pools()
+            elif op == OP_STOP:
+                return
+            else:
+                raise RuntimeError(f"unknown multi-host command {op}")
 
     def run(self, key: ProgramKey, inp: StepInputs) -> PendingOutputs | None:
         """Dispatch a chunk/decode program; its outputs (if it samples) start copying to the host at once."""
+        self._announce(OP_RUN, key, inputs=inp)
+        return self._call(key, inp)
+
+    def _call(self, key: ProgramKey, inp: StepInputs) -> PendingOutputs | None:
         fn = self.programs[key]
         if self.args.execution == "eager":
             with jax.disable_jit():
@@ -243,14 +420,32 @@ class Runner:
             self.pools, packed = fn(self.params, self.pools, inp)
         return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits)
 
-    def snapshot(self, save: bool, src: int, dst: int):
+    def _slot_arg(self):
+        if not self.dp:
+            return jax.ShapeDtypeStruct((), np.int32)
+        return jax.ShapeDtypeStruct((self.n_ranks,), np.int32, sharding=NamedSharding(self.mesh, P(DATA)))
+
+    def snapshot(self, save: bool, src: int, dst: int, rank: int = 0):
+        """Copy one request's rings + compressor state to (save) / from a snapshot slot, on its rank."""
         key = ProgramKey(SNAP_SAVE if save else SNAP_LOAD, 1)
+        self._announce(OP_SNAP, key, src, dst, rank)
+        self._snapshot(key, src, dst, rank)
+
+    def _snapshot(self, key: ProgramKey, src: int, dst: int, rank: int):
+        save = key.kind == SNAP_SAVE
         fn = self.programs[key]
+        if self.dp:  # the other ranks copy between scratch slots
+            idle_src, idle_dst = (self.S, self.args.snapshot_slots) if save else (0, self.S)
+            s_all, d_all = np.full(self.n_ranks, idle_src, np.int32), np.full(self.n_ranks, idle_dst, np.int32)
+            s_all[rank], d_all[rank] = src, dst
+            src, dst = s_all, d_all
+        else:
+            src, dst = np.int32(src), np.int32(dst)
         if self.args.execution == "eager":
             with jax.disable_jit():
-                self.pools = fn(self.pools, np.int32(src), np.int32(dst))
+                self.pools = fn(self.pools, src, dst)
         else:
-            self.pools = fn(self.pools, np.int32(src), np.int32(dst))
+            self.pools = fn(self.pools, src, dst)
 
     def bucket(self, kind: str, n: int) -> int:
         bs = self.args.prefill_buckets if kind == PREFILL else self.args.decode_buckets
