@@ -241,7 +241,7 @@ def merge(paths: list[str], out: str | None) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--preset", default="medium", help="a preset (random weights) or a checkpoint directory")
     ap.add_argument("--configs", default="optimised,day0,exact,eager", help=f"comma list of {list(CONFIGS)}")
     ap.add_argument("--lengths", default=DEFAULT_LENGTHS, help="cached prefix lengths H (multiples of 64)")
     ap.add_argument("--out-tokens", type=int, default=32, help="turn 1's output tokens (<= 33)")
@@ -278,7 +278,10 @@ def main(argv=None):
     from dsv41_jax.config import ModelConfig
     from serving.engine.engine import load_model
 
-    cfg = ModelConfig.preset(a.preset)
+    if os.path.isdir(a.preset):  # a checkpoint directory (e.g. dsv41_jax/default_model)
+        cfg, params = load_model(a.preset)
+    else:
+        cfg, params = ModelConfig.preset(a.preset), None
     room = cfg.max_seq_len - a.new_tokens - 64
     lengths = sorted({min(h, room // 64 * 64) for h in _ints(a.lengths)})
     names = [n.strip() for n in a.configs.split(",") if n.strip()]
@@ -286,7 +289,8 @@ def main(argv=None):
         if n not in CONFIGS:
             ap.error(f"unknown config {n!r}; known: {list(CONFIGS)}")
     t_start = time.perf_counter()
-    _, params = load_model(cfg)
+    if params is None:
+        _, params = load_model(cfg)
     res = {"preset": a.preset, "lengths_requested": _ints(a.lengths), "lengths": lengths, "out_tokens": a.out_tokens,
            "new_tokens": a.new_tokens, "chunk": a.chunk, "buckets": a.buckets, "reps": a.reps,
            "window": cfg.window_size, "configs": {}}

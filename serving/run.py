@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--swa-bounded-replay", action=BoolOpt, default=_D.swa_bounded_replay,
                    help="on a prefix-cache hit, replay only the last window of cached tokens instead of "
                         "storing sliding-window snapshots (--no-swa-bounded-replay: exact mode)")
+    g.add_argument("--swa-snapshot-slots", type=int, default=_D.snapshot_slots,
+                   help="exact mode: device slots for SWA snapshots, one per conversation whose next turn should "
+                        "resume without recomputing its prompt (0: 2 x max_num_seqs; LRU beyond)")
     g.add_argument("--enable-prefix-caching", action=BoolOpt, default=_D.enable_prefix_caching,
                    help="reuse the global KV of shared prompt prefixes (64-token pages)")
     g.add_argument("--num-pages", type=int, default=_D.num_pages,
@@ -172,7 +175,7 @@ def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> Engine
     kw = dict(max_model_len=a.max_model_len or min(max_seq_len, 8192), max_num_seqs=seqs,
               max_num_batched_tokens=mbt, long_prefill_token_threshold=a.long_prefill_token_threshold,
               prefill_schedule_interval=a.prefill_schedule_interval, swa_bounded_replay=a.swa_bounded_replay,
-              enable_prefix_caching=a.enable_prefix_caching, num_pages=a.num_pages, session_ttl_s=a.session_ttl,
+              snapshot_slots=a.swa_snapshot_slots, enable_prefix_caching=a.enable_prefix_caching, num_pages=a.num_pages, session_ttl_s=a.session_ttl,
               max_queued_requests=a.max_queued_requests, execution=a.execution, kernels=a.kernels,
               compilation_cache_dir=cache_dir(a), prefill_buckets=a.prefill_buckets or ((mbt,) if on_cpu else ()),
               decode_buckets=a.decode_buckets or ((seqs,) if on_cpu else ()), seed=a.seed,

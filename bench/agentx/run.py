@@ -41,7 +41,8 @@ from pathlib import Path
 DAY0 = {"swa_bounded_replay": False, "execution": "eager", "kernels": "xla", "long_prefill_token_threshold": 0,
         "prefill_schedule_interval": 1}
 OPTIMISED: dict = {}  # the server defaults
-SIDES = {"day0": DAY0, "optimised": OPTIMISED}
+EXACT = {"swa_bounded_replay": False}  # the defaults but exact SWA snapshots: isolates bounded replay's share
+SIDES = {"day0": DAY0, "exact": EXACT, "optimised": OPTIMISED}
 
 log = logging.getLogger("bench.agentx")
 
