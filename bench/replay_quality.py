@@ -186,7 +186,19 @@ def summarize(per_doc: dict) -> dict:
                 "agree_se": float(np.std(m["agree"], ddof=1) / np.sqrt(n)) if n > 1 else float("nan"),
                 "kl_mean": float(np.mean(m["kl"])),
                 "kl_se": float(np.std(m["kl"], ddof=1) / np.sqrt(n)) if n > 1 else float("nan"),
-                "nll_exact_mean": float(np.mean(m["nll_exact"])), "max_abs_dlogit": float(np.max(m["max_abs_dlogit"]))}
+                "nll_exact_mean": float(np.mean(m["nll_exact"])), "max_abs_dlogit": float(np.max(m["max_abs_dlogit"])),
+                "dnll_per_doc": [round(float(x), 7) for x in m["dnll"]]}
+    ctrl = per_doc.get("exact")
+    for v, byH in per_doc.items():  # paired against the control: what the approximation adds to the float noise
+        if ctrl is None or v == "exact":
+            continue
+        for H, m in byH.items():
+            if H not in ctrl or len(ctrl[H]["dnll"]) != len(m["dnll"]) or len(m["dnll"]) < 2:
+                continue
+            d = np.asarray(m["dnll"], np.float64) - np.asarray(ctrl[H]["dnll"], np.float64)
+            mean, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+            res[v][str(H)].update(vs_control_mean=mean, vs_control_se=se,
+                                  vs_control_within_1p5_se=bool(abs(mean) <= 1.5 * se))
     return res
 
 
@@ -290,6 +302,18 @@ mean KL(exact || variant); then means and standard errors (SE = std / sqrt(docum
 1.5 SE" means |mean NLL difference| <= 1.5 SE."""
 
 
+def _vs_control(rows: dict) -> str:
+    """The plain sentence on a variant's paired difference from the control ('' when not measured)."""
+    if not all("vs_control_mean" in m for m in rows.values()):
+        ctrl = "the control's own differences (float noise of another execution order) are of the same size"
+        return "; " + ctrl
+    bad = [H for H, m in rows.items() if not m["vs_control_within_1p5_se"]]
+    worst = max(abs(m["vs_control_mean"]) for m in rows.values())
+    return ("; paired against the control it is " + ("within 1.5 standard errors of zero at every H" if not bad else
+            f"**not** within 1.5 standard errors of zero at H = {', '.join(bad)}")
+            + f" (largest {worst:.5f} nats/token)")
+
+
 def render_doc(result: dict, training: dict | None, img: str) -> str:
     r = result["result"] if "result" in result else result
     L = [
@@ -330,6 +354,14 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
             L.append(f"| {LABELS[v]} | {H} | {m['dnll_mean']:+.5f} | {m['dnll_se']:.5f} | "
                      f"{'yes' if m['within_1p5_se'] else '**no**'} | {m['agree_mean']:.4f} | {m['kl_mean']:.2e} | "
                      f"{m['nll_exact_mean']:.3f} |")
+    paired = [(v, H, m) for v in VARIANTS if v in r["summary"] and v != "exact"
+              for H, m in sorted(r["summary"][v].items(), key=lambda kv: int(kv[0])) if "vs_control_mean" in m]
+    if paired:
+        L += ["", "Paired against the control (per document: the variant's NLL difference minus the control's, so the "
+              "float noise both share cancels): what the approximation itself adds.", "",
+              "| variant | H | NLL diff - control's (nats/token) | SE | within 1.5 SE of 0 |", "|---|---|---|---|---|"]
+        L += [f"| {LABELS[v]} | {H} | {m['vs_control_mean']:+.5f} | {m['vs_control_se']:.5f} | "
+              f"{'yes' if m['vs_control_within_1p5_se'] else '**no**'} |" for v, H, m in paired]
     L += ["", "Plainly:", ""]
     for v in [v for v in VARIANTS if v in r["summary"]]:
         rows = r["summary"][v]
@@ -337,7 +369,8 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
         worst = max(abs(m["dnll_mean"]) for m in rows.values())
         L.append(f"- {LABELS[v]}: " + ("within 1.5 standard errors of zero at every H" if not bad else
                                         f"**not** within 1.5 standard errors of zero at H = {', '.join(bad)}")
-                 + f"; the largest mean difference is {worst:.5f} nats/token.")
+                 + f"; the largest mean difference is {worst:.5f} nats/token"
+                 + (_vs_control(rows) if v != "exact" else "") + ".")
     if r.get("sample"):
         smp = r["sample"]
         L += ["", "## A completion of held-out code", "",
