@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "storing sliding-window snapshots (--no-swa-bounded-replay: exact mode)")
     g.add_argument("--swa-snapshot-slots", type=int, default=_D.snapshot_slots,
                    help="exact mode: device slots for SWA snapshots, one per conversation whose next turn should "
-                        "resume without recomputing its prompt (0: 2 x max_num_seqs; LRU beyond)")
+                        "resume without recomputing its prompt (0: 8 x max_num_seqs; LRU beyond)")
     g.add_argument("--enable-prefix-caching", action=BoolOpt, default=_D.enable_prefix_caching,
                    help="reuse the global KV of shared prompt prefixes (64-token pages)")
     g.add_argument("--num-pages", type=int, default=_D.num_pages,

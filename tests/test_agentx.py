@@ -386,3 +386,34 @@ def test_prefill_replay_cpu_smoke(tmp_path):
         assert p["warm_cached"] == p["H"] and p["warm_replayed"] == res["window"]  # bounded replay: one window
         assert p["cold_ttft_s"] > 0 and p["warm_ttft_s"] > 0 and p["prompt_len"] == p["H"] + 25
     assert json.loads(out.read_text())["result"]["lengths"] == [64, 128]
+
+
+def test_snapshot_sim_resumes_at_snapshots_and_misses_when_evicted():
+    """The simulated exact-mode bookkeeping: a warm turn resumes at its previous prompt's last full block; with one
+    slot, another conversation's turn evicts it and the next warm turn recomputes its whole hit."""
+    from bench.agentx.snapshot_sim import SimServer
+
+    rng = np.random.default_rng(0)
+    a1 = rng.integers(0, 1000, 200).tolist()
+    b1 = rng.integers(0, 1000, 300).tolist()
+    srv = SimServer(slots=1, num_pages=1000)
+    assert srv.admit(a1) == (0, 0)  # cold
+    a2 = a1 + rng.integers(0, 1000, 100).tolist()
+    assert srv.admit(a2) == (192, 192)  # hit 3 blocks, snapshot at 192 restored
+    assert srv.c["restores"] == 1 and srv.c["misses"] == 0
+    assert srv.admit(b1) == (0, 0)  # saves its snapshot into the only slot: a2's (at 256) is evicted
+    a3 = a2 + rng.integers(0, 1000, 50).tolist()
+    assert srv.admit(a3) == (0, 256)  # hit 4 blocks, no snapshot left: recompute from 0
+    assert srv.c["misses"] == 1 and srv.c["exact_recomputed_hit"] == 256
+    assert srv.c["bounded_computed"] == 200 + (300 - 64) + 300 + (350 - 128)  # bounded replay: last window only
+
+
+def test_snapshot_sim_cli_smoke(tmp_path):
+    from bench.agentx.snapshot_sim import main
+
+    res = main(["--max-model-len", "4096", "--max-num-seqs", "2", "--concurrency", "2", "--slots", "1,64",
+                "--duration", "60", "--num-traces", "8", "--out", str(tmp_path / "s.json")])
+    few, many = res["rows"]
+    assert few["warm_turns"] > 0 and few["misses"] >= many["misses"]
+    assert few["exact_recomputed_hit"] >= many["exact_recomputed_hit"]
+    assert json.loads((tmp_path / "s.json").read_text())["result"]["rows"][1]["slots"] == 64

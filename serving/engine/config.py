@@ -36,7 +36,7 @@ class EngineArgs:
     swa_bounded_replay: bool = True
     enable_prefix_caching: bool = True
     num_pages: int = 0  # 0: derived from max_model_len * max_num_seqs * 2
-    snapshot_slots: int = 0  # exact mode SWA snapshots (0: 2 * max_num_seqs)
+    snapshot_slots: int = 0  # exact mode SWA snapshots (0: 8 * max_num_seqs; bench/agentx/snapshot_sim.py)
     session_ttl_s: float = 600.0  # a session's cached prefix outlives anonymous pages this long
     max_queued_requests: int = 1024  # admission control for the API servers
     enable_prompt_logprobs: bool = True  # compile the every-row-logits prefill programs (echo + logprobs)
@@ -91,8 +91,8 @@ class EngineArgs:
             a.num_pages = 1 + 2 * a.max_num_seqs * pages_per_seq
         if a.num_pages < 1 + pages_per_seq:
             raise ValueError(f"num_pages {a.num_pages} cannot hold one max_model_len sequence ({pages_per_seq} pages)")
-        if not a.snapshot_slots:
-            a.snapshot_slots = 2 * a.max_num_seqs
+        if not a.snapshot_slots:  # one per conversation between turns: agentic lanes idle far longer than they run;
+            a.snapshot_slots = 8 * a.max_num_seqs  # at 2 x seqs AgentX missed 11% of warm turns (snapshot_sim)
         return a
 
 
