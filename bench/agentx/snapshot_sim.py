@@ -37,10 +37,13 @@ class SimServer:
         self.pages: OrderedDict[bytes, None] = OrderedDict()  # cached block hashes, LRU
         self.num_pages, self.W, self.B = num_pages, window, block
         self.c = dict(turns=0, warm_turns=0, restores=0, misses=0, prompt_tokens=0, hit_tokens=0,
-                      exact_computed=0, exact_recomputed_hit=0, bounded_computed=0, page_evictions=0)
+                      exact_computed=0, exact_recomputed_hit=0, bounded_computed=0, page_evictions=0,
+                      first_turn_misses=0)
+        self.sessions: set[str] = set()
 
-    def admit(self, tokens: list[int]) -> tuple[int, int]:
-        """(exact-mode start, hit H) of one prompt; updates caches and counters."""
+    def admit(self, tokens: list[int], session: str | None = None) -> tuple[int, int]:
+        """(exact-mode start, hit H) of one prompt; updates caches and counters (`session`: to tell a
+        conversation's first turn, whose hit is a shared prefix with no snapshot kept, from later ones)."""
         from serving.engine.block_hash import block_hashes
 
         B, N = self.B, len(tokens)
@@ -61,6 +64,10 @@ class SimServer:
         if hits:
             c["warm_turns"] += 1
             c["restores" if slot is not None else "misses"] += 1
+            if slot is None and session is not None and session not in self.sessions:
+                c["first_turn_misses"] += 1
+        if session is not None:
+            self.sessions.add(session)
         c["exact_computed"] += N - start
         c["exact_recomputed_hit"] += H - start
         c["bounded_computed"] += N - max(H - self.W, 0)
@@ -92,7 +99,7 @@ class SimClient:
 
     async def generate(self, req: WireRequest) -> Result:
         t0 = time.perf_counter()
-        start, _ = self.server.admit(req.prompt_ids)
+        start, _ = self.server.admit(req.prompt_ids, req.session_id)
         n = len(req.prompt_ids)
         if self.s_per_token:
             await asyncio.sleep(self.s_per_token * (n - start))
@@ -156,10 +163,11 @@ def main(argv=None):
 
         write_result(a.out, res, "python -m bench.agentx.snapshot_sim " + " ".join(
             argv if argv is not None else sys.argv[1:]))
-    print(f"\n{'slots':>5} {'warm turns':>10} {'misses':>7} {'miss %':>7} {'exact tokens':>13} "
+    print(f"\n{'slots':>5} {'warm turns':>10} {'misses':>7} {'1st turn':>8} {'miss %':>7} {'exact tokens':>13} "
           f"{'of which recomputed hits':>25} {'bounded tokens':>15} {'exact/bounded':>13}")
     for r in rows:
-        print(f"{r['slots']:5d} {r['warm_turns']:10d} {r['misses']:7d} {100 * r['miss_rate']:6.1f}% "
+        print(f"{r['slots']:5d} {r['warm_turns']:10d} {r['misses']:7d} {r['first_turn_misses']:8d} "
+              f"{100 * r['miss_rate']:6.1f}% "
               f"{r['exact_computed']:13,d} {r['exact_recomputed_hit']:25,d} {r['bounded_computed']:15,d} "
               f"{r['exact_over_bounded_computed']:13.2f}")
     return res
