@@ -74,13 +74,7 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
     """The reference's sort / grouped GEMMs / scatter-add, with GEMMs that read only the routed experts."""
     dt = layers.cdtype(cfg)
     N, D = x.shape
-    k = idx.shape[-1]
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tok = order // k
-    sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
-    quantized = cfg.qdq and layers.is_quantized(p["w1"])
-    xs = (quant.fp8_qdq(x.astype(dt), 32) if quantized else x.astype(dt))[tok]
+    order, tok, sizes, xs, quantized = parallel.rows_by_expert(cfg, p, x, idx)
 
     def gdot(a, name):
         w, s, layer = _view(p[name])

@@ -186,12 +186,11 @@ def tp_moe(ex, cfg, p, x2, w, idx, lin_local):
                  dict(ex_stack=ex_specs, sh_stack=sh_specs, index=P(), x2=P(), w=P(), idx=P()), P())
 
 
-def _routed_experts_f32(cfg, p, x, weights, idx, round_each: bool):
-    """`layers.routed_experts` on a slice of the intermediate dim, returning the f32 partial sums: each
-    expert's w2 output is rounded to the compute dtype only when `round_each` (one rank: the reference)."""
-    p = materialize(p)
+def rows_by_expert(cfg, p, x, idx):
+    """The reference's routing prelude: (order, tok, sizes, xs, quantized): the (token, slot) pairs sorted by
+    expert (stable), each pair's token, rows per expert, the sorted input rows in the compute dtype (FP8
+    round-tripped when the experts are quantized), and whether they are."""
     dt = layers.cdtype(cfg)
-    N, D = x.shape
     k = idx.shape[-1]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -199,6 +198,16 @@ def _routed_experts_f32(cfg, p, x, weights, idx, round_each: bool):
     sizes = jnp.bincount(flat, length=cfg.n_routed_experts).astype(jnp.int32)
     quantized = cfg.qdq and layers.is_quantized(p["w1"])
     xs = (quant.fp8_qdq(x.astype(dt), 32) if quantized else x.astype(dt))[tok]
+    return order, tok, sizes, xs, quantized
+
+
+def _routed_experts_f32(cfg, p, x, weights, idx, round_each: bool):
+    """`layers.routed_experts` on a slice of the intermediate dim, returning the f32 partial sums: each
+    expert's w2 output is rounded to the compute dtype only when `round_each` (one rank: the reference)."""
+    p = materialize(p)
+    dt = layers.cdtype(cfg)
+    N, D = x.shape
+    order, tok, sizes, xs, quantized = rows_by_expert(cfg, p, x, idx)
     prec = lax.Precision.HIGHEST if dt == F32 else None
     dn = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                        rhs_group_dimensions=[0])
