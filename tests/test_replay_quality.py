@@ -50,6 +50,25 @@ def test_summarize_standard_errors():
     assert s["within_1p5_se"] == (0.2 <= 1.5 * se) and s["max_abs_dlogit"] == 3.0
 
 
+def test_summarize_pairs_variants_with_the_control():
+    """Per document, variant - control: the float noise both share cancels; the doc renders the paired table."""
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0, 0.05, 50)  # shared by every path of a document
+    extra = rng.normal(0.002, 0.001, 50)  # what the approximation adds
+    row = lambda d: {1024: {"dnll": d, "agree": np.ones(50), "kl": np.full(50, 0.01), "nll_exact": np.full(50, 1.5),
+                            "max_abs_dlogit": np.ones(50)}}
+    s = rq.summarize({"exact": row(noise), "ced": row(noise + extra)})
+    m = s["ced"]["1024"]
+    assert math.isclose(m["vs_control_mean"], extra.mean(), rel_tol=1e-9)
+    assert math.isclose(m["vs_control_se"], np.std(extra, ddof=1) / math.sqrt(50), rel_tol=1e-9)
+    assert not m["vs_control_within_1p5_se"]  # 0.002 is ~14 SE: the pairing finds it
+    assert m["within_1p5_se"]  # unpaired, the shared noise hides it
+    assert "vs_control_mean" not in s["exact"]["1024"] and len(m["dnll_per_doc"]) == 50
+    doc = rq.render_doc({"result": {"docs": 50, "doc_len": 6400, "H": [1024], "next_tokens": 256, "chunk": 1024,
+                                    "new_tokens": 64, "summary": s, "device": "cpu"}}, None, "x.png")
+    assert "Paired against the control" in doc and "paired against the control it is **not** within" in doc
+
+
 @pytest.mark.timeout(300)
 def test_smoke_run(tmp_path):
     jax.config.update("jax_compilation_cache_dir", shared_cache_dir())
