@@ -14,7 +14,7 @@ import argparse
 import json
 
 SLO = 50.0
-COLORS = {"day0": "#999999", "optimised": "#2a7ab0"}
+COLORS = {"day0": "#999999", "exact": "#d08a2c", "optimised": "#2a7ab0"}
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
