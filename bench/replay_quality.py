@@ -371,6 +371,13 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
                                         f"**not** within 1.5 standard errors of zero at H = {', '.join(bad)}")
                  + f"; the largest mean difference is {worst:.5f} nats/token"
                  + (_vs_control(rows) if v != "exact" else "") + ".")
+    if paired:
+        v, H, m = max(paired, key=lambda t: abs(t[2]["vs_control_mean"]))
+        d = abs(m["vs_control_mean"])
+        mixed = len({x[2]["vs_control_mean"] > 0 for x in paired if x[0] == v}) > 1
+        tail = "; its sign changes with H." if mixed else "."
+        L.append(f"- In proportion: the largest paired difference ({LABELS[v]}, H = {H}) is {d:.5f} nats/token, "
+                 f"{100 * d / m['nll_exact_mean']:.3f}% of the exact NLL{tail}")
     if r.get("sample"):
         smp = r["sample"]
         L += ["", "## A completion of held-out code", "",

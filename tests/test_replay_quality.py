@@ -55,8 +55,9 @@ def test_summarize_pairs_variants_with_the_control():
     rng = np.random.default_rng(0)
     noise = rng.normal(0, 0.05, 50)  # shared by every path of a document
     extra = rng.normal(0.002, 0.001, 50)  # what the approximation adds
-    row = lambda d: {1024: {"dnll": d, "agree": np.ones(50), "kl": np.full(50, 0.01), "nll_exact": np.full(50, 1.5),
-                            "max_abs_dlogit": np.ones(50)}}
+    def row(d):
+        return {1024: {"dnll": d, "agree": np.ones(50), "kl": np.full(50, 0.01), "nll_exact": np.full(50, 1.5),
+                       "max_abs_dlogit": np.ones(50)}}
     s = rq.summarize({"exact": row(noise), "ced": row(noise + extra)})
     m = s["ced"]["1024"]
     assert math.isclose(m["vs_control_mean"], extra.mean(), rel_tol=1e-9)
