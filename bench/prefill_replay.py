@@ -60,18 +60,10 @@ def _counters(engine) -> dict:
 
 def run_request(engine, rid: str, prompt: list[int], max_tokens: int, salt: str):
     """(TTFT seconds, generated ids, total seconds) with the engine stepped in this thread."""
+    from bench.engine_bench import ttft
     from serving.engine import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    engine.add_request(rid, prompt, sp, cache_salt=salt)
-    first, ids = None, []
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.new_token_ids and first is None:
-                first = time.perf_counter() - t0
-            ids += list(o.new_token_ids)
-    return first, ids, time.perf_counter() - t0
+    return ttft(engine, rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), salt)
 
 
 def scenario(engine, H: int, out_tokens: int, new_tokens: int, vocab: int, rng, tag: str) -> dict:
