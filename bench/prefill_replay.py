@@ -10,6 +10,8 @@ Configurations (EngineArgs overrides; the day-0 baseline is `bench.agentx.run.DA
   exact      swa_bounded_replay=False      full-depth prefill (decoder on every row), exact SWA snapshots
   eager      execution=eager               CED-trimmed, bounded replay, eager
   day0       DAY0                          full depth, snapshots, eager, XLA kernels, no scheduler knobs
+  pallas     kernels=pallas                the optimised configuration with the Pallas kernels (issue 9: prefill
+                                           and warm-turn TTFT must not get slower than with XLA's)
 
 For each H (ascending; clamped so the warm turn fits the model): turn 1 sends a fresh prompt of
 P1 = H + 33 - out_tokens tokens and decodes `out_tokens` (its TTFT is the prefill time of P1 tokens); the
@@ -42,7 +44,8 @@ import numpy as np
 
 from bench.agentx.run import DAY0
 
-CONFIGS = {"optimised": {}, "exact": {"swa_bounded_replay": False}, "eager": {"execution": "eager"}, "day0": DAY0}
+CONFIGS = {"optimised": {}, "exact": {"swa_bounded_replay": False}, "eager": {"execution": "eager"}, "day0": DAY0,
+           "pallas": {"kernels": "pallas"}}
 PAIRS = {"compiled": ("optimised", "exact"), "eager": ("eager", "day0")}  # (CED-trimmed, full depth)
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768,65536"
 
@@ -145,6 +148,11 @@ def compare(configs: dict) -> dict:
         h = common[-1]
         out["warm_ttft_target"] = {"H": h, "reduction": round(1 - opt[h] / d0[h], 4), "target": 0.70,
                                    "met": 1 - opt[h] / d0[h] >= 0.70}
+    for key in ("cold_ttft_s", "warm_ttft_s"):
+        xla, pal = by_h("optimised", key), by_h("pallas", key)
+        common = sorted(set(xla) & set(pal))
+        if common:
+            out[f"pallas_over_xla_{key[:-2]}"] = {h: round(pal[h] / xla[h], 4) for h in common}
     for mode, (ced, full) in PAIRS.items():
         c, f = by_h(ced, "cold_ttft_s"), by_h(full, "cold_ttft_s")
         common = sorted(set(c) & set(f))
@@ -169,7 +177,7 @@ def plot(res: dict, path) -> str | None:
         return None
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     style = {"optimised": ("#2a7ab0", "-"), "exact": ("#d08020", "-"), "eager": ("#2a7ab0", "--"),
-             "day0": ("#777777", "--")}
+             "day0": ("#777777", "--"), "pallas": ("#30a050", ":")}
     for name, c in res["configs"].items():
         pts = c["points"]
         if not pts:
@@ -207,7 +215,7 @@ def print_table(res: dict):
         if c["skipped"]:
             print(f"{name:>9} skipped H = {c['skipped']} (budget)")
     for k, v in res["comparisons"].items():
-        if k.endswith("target") or "_target_" in k:
+        if k.endswith("target") or "_target_" in k or k.startswith("pallas_over"):
             print(f"{k}: {v}")
 
 
@@ -266,7 +274,6 @@ def main(argv=None):
     if not 1 <= a.out_tokens <= 33:
         ap.error("--out-tokens must be in [1, 33] (turn 1 must leave exact mode its snapshot at H)")
     import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
-    from bench.common import write_result
     from dsv41_jax.config import ModelConfig
     from serving.engine.engine import load_model
 
@@ -291,15 +298,22 @@ def main(argv=None):
         deadline = time.perf_counter() + left / (len(names) - i)
         print(f"{name}: {CONFIGS[name] or 'server defaults'}", flush=True)
         res["configs"][name] = run_config(a, name, cfg, params, lengths, deadline)
+        save(a, res, given, t_start, final=i == len(names) - 1)  # after every configuration: a killed run keeps
+    print_table(res)                                              # what it measured
+    return res
+
+
+def save(a, res: dict, given: str, t_start: float, final: bool):
+    from bench.common import write_result
+
     res["comparisons"] = compare(res["configs"])
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    res["complete"] = final
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        png = plot(res, os.path.splitext(a.out)[0] + ".png")
-        res["png"] = png
+        if final:
+            res["png"] = plot(res, os.path.splitext(a.out)[0] + ".png")
         write_result(a.out, res, command="python -m bench.prefill_replay " + given)
-    print_table(res)
-    return res
 
 
 if __name__ == "__main__":
