@@ -97,7 +97,7 @@ def engine_args(a, overrides: dict, max_model_len: int):
     return EngineArgs(**kw)
 
 
-def run_config(a, name: str, cfg, params, lengths: list[int], deadline: float) -> dict:
+def run_config(a, name: str, cfg, params, lengths: list[int], deadline: float, on_point=None) -> dict:
     from serving.engine import Engine
 
     ov = CONFIGS[name]
@@ -131,6 +131,8 @@ def run_config(a, name: str, cfg, params, lengths: list[int], deadline: float) -
         last = (H, time.perf_counter() - t0)
         print(f"  {name:>9} H={H:>6} cold {pt['cold_ttft_s']:.4f} s  warm {pt['warm_ttft_s']:.4f} s  "
               f"(cached {pt['warm_cached']}, replayed {pt['warm_replayed']})", flush=True)
+        if on_point is not None:
+            on_point(res)
     del eng
     gc.collect()
     return res
@@ -297,7 +299,8 @@ def main(argv=None):
         left = a.budget - (time.perf_counter() - t_start)
         deadline = time.perf_counter() + left / (len(names) - i)
         print(f"{name}: {CONFIGS[name] or 'server defaults'}", flush=True)
-        res["configs"][name] = run_config(a, name, cfg, params, lengths, deadline)
+        res["configs"][name] = run_config(a, name, cfg, params, lengths, deadline, on_point=lambda c, n=name: save(
+            a, dict(res, configs={**res["configs"], n: c}), given, t_start, final=False))
         save(a, res, given, t_start, final=i == len(names) - 1)  # after every configuration: a killed run keeps
     print_table(res)                                              # what it measured
     return res
