@@ -29,10 +29,12 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_result(path, result: dict, command: str):
+def write_result(path, result: dict, command: str, source: dict | None = None):
+    """`source` (device, jax, date, commit) overrides this process's: a file derived from runs made elsewhere."""
     now = datetime.datetime.now().isoformat(timespec="seconds")
-    rec = {"device": device_name(), "jax": jax.__version__, "date": now, "commit": git_commit(), "command": command,
-           "result": result}
+    rec = {"device": device_name(), "jax": jax.__version__, "date": now, "commit": git_commit(), "command": command}
+    rec.update({k: v for k, v in (source or {}).items() if k in rec and v})
+    rec["result"] = result
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(rec, indent=2) + "\n")
     return rec

@@ -71,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per request")
     ap.add_argument("--skip", type=int, default=4, help="first tokens of each request left out of the ITL")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of the three phases (the first warms up)")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--compilation-cache-dir", default="", help="JAX persistent compilation cache ('' : off)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -91,7 +92,8 @@ def main(argv=None):
     chunk = max(cfg.window_size, -(-a.prompt // 64) * 64)
     args = EngineArgs(max_model_len=mml, max_num_seqs=a.batch, max_num_batched_tokens=chunk,
                       prefill_buckets=(chunk,), decode_buckets=(a.batch,), enable_prompt_logprobs=False,
-                      enable_prefix_caching=False, compilation_cache_dir=a.compilation_cache_dir or None)
+                      enable_prefix_caching=False, compilation_cache_dir=a.compilation_cache_dir or None,
+                      kernels=a.kernels)
     eng = Engine(cfg, args, params=params, tokenizer=ByteTokenizer(cfg.vocab_size), progress=True)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     rows = []
@@ -100,7 +102,7 @@ def main(argv=None):
             row = run_phase(eng, mode, a.batch, a.prompt, a.tokens, a.skip, seed=100 * r)
             print(row, file=sys.stderr, flush=True)
             if r > 0 or a.repeats == 1:
-                rows.append(dict(row, preset=a.preset))
+                rows.append(dict(row, preset=a.preset, kernels=eng.args.kernels))
     base = {r["mode"]: r for r in rows}.get("none")
     for r in rows:
         r["itl_vs_none"] = round(r["itl_ms"] / base["itl_ms"], 3) if base else None

@@ -166,6 +166,19 @@ def missing_pallas_ops() -> list[str]:
     return [name for name, impl in PALLAS_OPS.items() if impl is None]
 
 
+def pallas_config_problems(cfg) -> list[str]:
+    """Why the Pallas kernels cannot serve `cfg` (empty: they can). They implement the production formats: bf16
+    compute, FP8/FP4 KV (qdq on), windows walked in 64-entry chunks."""
+    problems = []
+    if cfg.compute_dtype != "bfloat16":
+        problems.append(f"compute_dtype {cfg.compute_dtype} (needs bfloat16)")
+    if not cfg.qdq:
+        problems.append("qdq off (the kernels read FP8 rings and FP4 pages)")
+    if cfg.window_size % 64:
+        problems.append(f"window {cfg.window_size} (needs a multiple of 64)")
+    return problems
+
+
 def check_kernels(kernels: str):
     """Raise ValueError unless every op can run with `kernels`."""
     if kernels not in KERNEL_CHOICES:

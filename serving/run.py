@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     if hasattr(_D, "enable_prompt_logprobs"):
         g.add_argument("--enable-prompt-logprobs", action=BoolOpt, default=_D.enable_prompt_logprobs,
                        help="compile the programs for prompt logprobs (echo + logprobs, lm-eval loglikelihood)")
-    g.add_argument("--kernels", choices=("xla", "pallas"), default=_D.kernels, help="kernel implementation")
+    g.add_argument("--kernels", choices=("auto", "xla", "pallas"), default=_D.kernels,
+                   help="kernels (auto: the Pallas kernels on a GPU where they serve the model, else XLA)")
     g.add_argument("--execution", choices=("compiled", "eager"), default=_D.execution,
                    help="compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch")
     g = p.add_argument_group("parallelism (docs/PARALLELISM.md)")

@@ -91,3 +91,25 @@ def test_program_keys_name_what_they_compute():
     assert (k.batch, k.tokens, str(k)) == (1, 64, "prefill[64]:window+sample")
     d = ProgramKey(DECODE, 8)
     assert (d.batch, d.tokens) == (8, 1) and d < ProgramKey(PREFILL, 1)
+
+
+def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
+    """`--kernels auto` (the default): XLA on a CPU; on a GPU the Pallas kernels, unless the model config, eager
+    execution or tensor parallelism has no Pallas path (then XLA, never an error)."""
+    from serving.engine import config as engine_config
+
+    assert EngineArgs().kernels == "auto"
+    assert jax.default_backend() == "cpu"
+    assert EngineArgs(max_model_len=256).resolved(TINY.replace(window_size=64)).kernels == "xla"
+    w64 = TINY.replace(window_size=64)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64) == "pallas"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256), TINY) == "xla"  # window 8
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, execution="eager"), w64) == "xla"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, tensor_parallel_size=2), w64) == "xla"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, force_mesh=True), w64) == "xla"  # TP of 1
+    dep = EngineArgs(max_model_len=256, data_parallel_size=2, enable_expert_parallel=True)
+    assert engine_config.auto_kernels(dep, w64) == "pallas"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64.replace(compute_dtype="float32")) == "xla"
+    monkeypatch.setitem(PALLAS_OPS, "indexer", None)
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64) == "xla"

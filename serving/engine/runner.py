@@ -45,7 +45,7 @@ from dsv41_jax.kv_cache import PagedKV, PageLayout
 from dsv41_jax.kv_format import swa_entry_bytes
 from dsv41_jax.layers import cdtype
 from dsv41_jax.model import step_impl
-from dsv41_jax.ops import ExecContext
+from dsv41_jax.ops import ExecContext, pallas_config_problems
 from dsv41_jax.params import source_slots
 from dsv41_jax.sharding import DATA, param_partition_specs
 from serving.engine import multihost
@@ -82,14 +82,7 @@ def _swa_unpack(cfg, b):
 
 
 def _check_pallas_config(cfg):
-    """The kernels implement the production formats: bf16 compute, FP8/FP4 KV (qdq on), 64-entry window chunks."""
-    problems = []
-    if cfg.compute_dtype != "bfloat16":
-        problems.append(f"compute_dtype {cfg.compute_dtype} (needs bfloat16)")
-    if not cfg.qdq:
-        problems.append("qdq off (the kernels read FP8 rings and FP4 pages)")
-    if cfg.window_size % 64:
-        problems.append(f"window {cfg.window_size} (needs a multiple of 64)")
+    problems = pallas_config_problems(cfg)
     if problems:
         raise ValueError("--kernels pallas does not support this model config: " + "; ".join(problems))
 
