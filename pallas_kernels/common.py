@@ -118,7 +118,7 @@ def check_offsets(*arrays):
     """Without the offset fix, refuse 1-byte arrays with more than 2^31 elements of at most 4 GiB."""
     for a in arrays:
         if not OFFSET_FIX and a.dtype.itemsize == 1 and 2 ** 31 <= a.size <= 2 ** 32:
-            raise NotImplementedError(
+            raise ValueError(
                 f"1-byte array {a.shape}: Pallas Triton would use 32-bit signed offsets past 2^31; keep such "
                 "weights stacked (> 4 GiB) or sharded (< 2 GiB)")
 

@@ -16,6 +16,7 @@ rejection (HTTP 400 / INVALID_ARGUMENT naming the maximum context length).
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def _is_overflow(msg: str) -> bool:
     return OVERFLOW_TEXT in msg.lower()
 
 
-class _HttpClient:
+class _HttpClient(abc.ABC):
     kind = "tokens"
     path = "/v1/completions"
 
@@ -77,11 +78,13 @@ class _HttpClient:
             await self.session.close()
             self.session = None
 
+    @abc.abstractmethod
     def _body(self, req: WireRequest) -> dict:
-        raise NotImplementedError
+        """The endpoint's request body for `req` (prompt or messages)."""
 
+    @abc.abstractmethod
     def _count(self, chunk: dict) -> int:
-        raise NotImplementedError
+        """Tokens one streamed chunk carries."""
 
     async def generate(self, req: WireRequest) -> Result:
         body = self._body(req)
