@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out-dir", default="bench/results")
     g.add_argument("--tag", default=None, help="file name tag (default: cpu with --cpu-smoke, else run)")
     g.add_argument("--records", action="store_true", help="also write every request record (.records.jsonl)")
+    g.add_argument("--server-log", action="store_true", help="also write each spawned server's output (.log)")
     g.add_argument("--cpu-smoke", action="store_true",
                    help="small sizes: concurrency 1,2, 10 s points, 16 traces, budget 900 s (flags given win)")
     return ap
@@ -309,6 +310,9 @@ def main(argv=None) -> int:
         finally:
             if server is not None:
                 server.terminate()
+                if a.server_log:  # the server's own output (start-up, compilation, per-request lines)
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    (out_dir / f"agentx_{tag}_{side}_server.log").write_text(server.output()[-2_000_000:])
     summary = {"rows": rows, "skipped": skipped, "failures": failures, "traces": trace_info,
                "slo_50": slo_targets(rows), "day0_flags": server_flags(DAY0),
                "wall_s": round(time.monotonic() - t0, 1)}
