@@ -209,7 +209,7 @@ def build(a: argparse.Namespace):
     import jax
 
     from dsv41_jax.config import ModelConfig
-    from serving.engine.engine import Engine, load_model, make_mesh, model_config_of
+    from serving.engine.engine import Engine, load_model, make_mesh, model_config_of, use_compilation_cache
     from serving.tokenizer import load_tokenizer
 
     log = logging.getLogger("serving.run")
@@ -220,8 +220,7 @@ def build(a: argparse.Namespace):
     cache = cache_dir(a)
     if cache:  # before the weights: init/convert programs are cached too
         os.makedirs(cache, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+        use_compilation_cache(cache, a.execution)
     server_config(a)  # validate the server flags before any expensive work
     if is_preset:  # validate the flags before any expensive work
         longest = max(a.max_model_len or 0, ModelConfig.preset(a.model).max_seq_len)

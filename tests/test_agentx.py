@@ -17,7 +17,7 @@ from bench.agentx.clients import Result, make_client
 from bench.agentx.metrics import parse_prometheus, percentile, server_hit_rate, summarize
 from bench.agentx.prompts import TreePrompts
 from bench.agentx.replay import Clock, ReplayConfig, replay
-from bench.agentx.run import DAY0, server_flags
+from bench.agentx.run import DAY0, build_parser, replay_config, server_flags
 from bench.agentx.traces import PerfectCache, load_traces, parse_trace, usable
 
 pytestmark = pytest.mark.timeout(300)
@@ -417,3 +417,70 @@ def test_snapshot_sim_cli_smoke(tmp_path):
     assert few["warm_turns"] > 0 and few["misses"] >= many["misses"]
     assert few["exact_recomputed_hit"] >= many["exact_recomputed_hit"]
     assert json.loads((tmp_path / "s.json").read_text())["result"]["rows"][1]["slots"] == 64
+
+
+def test_point_workload_depends_on_n_not_sweep_position():
+    """Points of an A/B made in separate commands (different sweeps) must replay the same lanes for the same N."""
+    from bench.agentx.replay import Replayer
+
+    traces = _trees(n=8, seed=5)
+
+    def lanes(argv, n, point):
+        a = build_parser().parse_args(argv)
+        a.max_warmup = 60.0
+        r = Replayer(None, traces, replay_config(a, n, point))
+        return [r._new_tree(lane).trace.id for lane in range(n)]
+
+    first = lanes(["--concurrency", "4,8"], 4, 0)  # N=4 first in one sweep ...
+    assert lanes(["--concurrency", "2,4,8"], 4, 1) == first  # ... second in another: same trees
+    assert lanes(["--concurrency", "4", "--seed", "7"], 4, 0) != first  # and --seed still matters
+
+
+def _point_file(path, side, n, tpgs, intv, e2e, date):
+    head = {"requests": 5 if tpgs else 0, "tpgs": tpgs, "intvty_p90": intv, "e2e_norm_intvty_p90": e2e}
+    path.write_text(json.dumps({"device": "gpu:X", "jax": "0", "date": date, "commit": "abc1234", "command": "c",
+                                "result": {"side": side, "concurrency": n, "headline": head}}))
+    return str(path)
+
+
+def test_plot_cli_merges_points_into_summary(tmp_path):
+    """Points from separate commands: one Pareto PNG, a summary with the best TPGS at >= 50 tok/s/user per side
+    and the optimised / day0 ratio; a side that completed nothing is listed, not plotted; provenance from the
+    newest point file."""
+    from bench.agentx import plot
+
+    files = [_point_file(tmp_path / "a.json", "optimised", 2, 900.0, 60.0, 55.0, "2026-01-02"),
+             _point_file(tmp_path / "b.json", "optimised", 8, 4000.0, 40.0, 30.0, "2026-01-03"),
+             _point_file(tmp_path / "c.json", "day0", 2, 150.0, 52.0, 51.0, "2026-01-01"),
+             _point_file(tmp_path / "d.json", "exact", 4, None, None, None, "2026-01-01")]
+    png, summ = tmp_path / "p.png", tmp_path / "s.json"
+    plot.main(files + ["--out", str(png), "--summary", str(summ)])
+    assert png.stat().st_size > 1000
+    s = json.loads(summ.read_text())
+    assert s["date"] == "2026-01-03" and s["commit"] == "abc1234"
+    slo = s["result"]["slo_50"]["intvty_p90"]
+    assert slo["best_tpgs"] == {"optimised": 900.0, "day0": 150.0}  # N=8 is below the SLO
+    assert slo["optimised_over_day0"] == pytest.approx(6.0)
+    assert {r["side"] for r in s["result"]["rows"]} == {"optimised", "day0", "exact"}
+
+
+def test_eager_dispatch_counter_matches_the_jaxpr():
+    """bench.eager_ops counts one dispatch per primitive an un-jitted function runs (its jaxpr's equations)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.eager_ops import count_dispatches
+
+    def f(x, y):
+        return jnp.tanh(x @ y) * 2.0 + jnp.sum(y, axis=0)
+
+    x, y = jnp.ones((3, 4)), jnp.arange(20.0).reshape(4, 5)
+    eqns = jax.make_jaxpr(f)(x, y).jaxpr.eqns
+    with jax.disable_jit(), count_dispatches() as (counts, seen):
+        f(x, y)
+    # jax >= 0.12 also dispatches `stage` for each Python constant it places on the device (here the 2.0)
+    assert sum(n for k, n in counts.items() if k != "stage") == len(eqns)
+    assert counts["dot_general"] == 1 and counts["tanh"] == 1
+    distinct = {(e.primitive.name, tuple((v.aval.shape, str(v.aval.dtype)) for v in e.invars if hasattr(v, "aval")))
+                for e in eqns}
+    assert len({k for k in seen if k[0] != "stage"}) == len(distinct)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 SLO = 50.0
 COLORS = {"day0": "#999999", "exact": "#d08a2c", "optimised": "#2a7ab0"}
@@ -42,7 +43,9 @@ def plot_pareto(rows: list[dict], path, title: str = "AgentX-style sweep") -> st
         for side in sorted({r["side"] for r in rows}):
             pts = sorted((r for r in rows if r["side"] == side and r.get(xkey) and r.get("tpgs")),
                          key=lambda r: r["concurrency"])
-            if not pts:
+            if not pts:  # the side ran but finished no request in its window: say so on the chart
+                ns = ",".join(str(r["concurrency"]) for r in rows if r["side"] == side)
+                ax.plot([], [], "o", color=COLORS.get(side), label=f"{side}: no request completed (N={ns})")
                 continue
             xs, ys = [r[xkey] for r in pts], [r["tpgs"] for r in pts]
             color = COLORS.get(side)
@@ -80,8 +83,30 @@ def main(argv=None):
     ap.add_argument("files", nargs="+", help="per-run JSON files written by python -m bench.agentx")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="AgentX-style sweep")
+    ap.add_argument("--summary", default=None,
+                    help="also write a summary JSON of these points (rows, the best TPGS at >= 50 tok/s/user)")
     a = ap.parse_args(argv)
-    print(plot_pareto(rows_from_files(a.files), a.out, a.title) or "matplotlib is not installed")
+    rows = rows_from_files(a.files)
+    print(plot_pareto(rows, a.out, a.title) or "matplotlib is not installed")
+    if a.summary:
+        from bench.agentx.run import DAY0, server_flags, slo_targets
+        from bench.common import write_result
+
+        write_result(a.summary, {"rows": rows, "files": list(a.files), "slo_50": slo_targets(rows),
+                                 "day0_flags": server_flags(DAY0), "png": a.out},
+                     "python -m bench.agentx.plot " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     source=_source(a.files))
+        print(a.summary)
+
+
+def _source(paths) -> dict:
+    """device / jax / commit of the runs a summary is made from (the latest file's), not of this process."""
+    recs = [json.load(open(p)) for p in paths]
+    recs = [r for r in recs if "device" in r]
+    if not recs:
+        return {}
+    last = max(recs, key=lambda r: r.get("date", ""))
+    return {k: last.get(k) for k in ("device", "jax", "date", "commit")}
 
 
 if __name__ == "__main__":

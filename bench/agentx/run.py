@@ -1,12 +1,11 @@
 """`python -m bench.agentx`: the AgentX-style A/B, day-0 baseline vs optimised server, over a concurrency sweep.
 
-    # the GPU run (one command of < 10 min: the eager day-0 server starts without compiling, the optimised one
-    # compiles 3 programs; each side's server starts once and the sweep runs against it):
+    # the GPU sweep (bench/agentx/README.md has the H200 commands): one or two sides per command, then re-plot
     python -m bench.agentx --model medium --server-args "--max-model-len 32768 --max-num-seqs 16 \
         --max-num-batched-tokens 2048 --prefill-buckets 2048 --decode-buckets 16 --no-enable-prompt-logprobs" \
-        --concurrency 2,4,8 --duration 45 --budget 560 --out-dir $OUT --tag h200
-    # or one side per command (--sides day0, then --sides optimised, same --tag) and re-plot both together:
-    python -m bench.agentx.plot bench/results/agentx_h200_*_c*.json --out bench/results/agentx_h200_pareto.png
+        --sides optimised,exact --concurrency 2,4,8 --duration 30 --budget 565 --out-dir $OUT --tag h200
+    python -m bench.agentx.plot bench/results/agentx_h200_*_c*.json --out bench/results/agentx_h200_pareto.png \
+        --summary bench/results/agentx_h200_summary.json
     # a CPU smoke (the default model, 2 points per side, seconds per point):
     python -m bench.agentx --cpu-smoke
     # against a running server (one side, named by --label):
@@ -117,15 +116,24 @@ def build_traces(a, max_model_len: int | None):
     return traces, info
 
 
+def replay_config(a, concurrency: int, point: int):
+    """The replay settings of one point. Its seed (which trees the lanes draw, and their start turns t*) depends
+    on --seed and N only, not on the point's place in the sweep: the same N replays the same workload on every
+    side and in every command, so points of an A/B made in separate commands are paired."""
+    from bench.agentx.replay import ReplayConfig
+
+    return ReplayConfig(concurrency=concurrency, duration=a.duration, warmup_turns=a.warmup_turns,
+                        start_range=(a.start_min, a.start_max), idle_cap=a.idle_cap, tree_idle_cap=a.tree_idle_cap,
+                        time_scale=a.time_scale, grace=a.grace, max_warmup_s=a.max_warmup,
+                        seed=a.seed + concurrency, tag=f"ax{os.getpid()}p{point}")
+
+
 def run_point(a, side: str, url: str, grpc_target: str | None, traces, concurrency: int, point: int):
     from bench.agentx.clients import make_client
     from bench.agentx.metrics import headline, parse_prometheus, summarize
-    from bench.agentx.replay import ReplayConfig, replay
+    from bench.agentx.replay import replay
 
-    cfg = ReplayConfig(concurrency=concurrency, duration=a.duration, warmup_turns=a.warmup_turns,
-                       start_range=(a.start_min, a.start_max), idle_cap=a.idle_cap, tree_idle_cap=a.tree_idle_cap,
-                       time_scale=a.time_scale, grace=a.grace, max_warmup_s=a.max_warmup, seed=a.seed + point,
-                       tag=f"ax{os.getpid()}p{point}")
+    cfg = replay_config(a, concurrency, point)
     client = make_client(a.client, url=url, grpc_target=grpc_target, timeout=a.request_timeout)
     before: dict = {}
 

@@ -79,6 +79,15 @@ def load_model(model, seed: int = 0, weight_format: str | None = None, *, mesh=N
     return cfg, checkpoints.random_init(cfg, seed, mesh, parallel=parallel)
 
 
+def use_compilation_cache(path: str, execution: str = "compiled"):
+    """Point JAX's persistent compilation cache at `path`. Compiled execution caches its programs (compiles
+    over 0.5 s); eager execution caches every op it compiles too (thousands of small executables, 0.03-0.1 s
+    each to build): a restarted eager server then skips most of its first-step compilations (CPU, tiny: the
+    first eager step 36 s -> 8.5 s)."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if execution == "eager" else 0.5)
+
+
 def make_mesh(args: EngineArgs):
     """The mesh of resolved engine args (None: one device, no mesh)."""
     return None if args.parallel is None else args.parallel.mesh()
@@ -138,8 +147,7 @@ class Engine:
         """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used."""
         args = args or EngineArgs(**engine_kw)
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+            use_compilation_cache(args.compilation_cache_dir, args.execution)
         known = model_config_of(model)
         mesh = None
         if known is not None:  # flags checked and the mesh built before any weight is made
