@@ -243,6 +243,7 @@ def main(argv=None):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
     from checkpoints import load, write_hf
+    from checkpoints.packed_shards import repack
 
     t_all = time.perf_counter()
     cfg = model_config()
@@ -352,6 +353,7 @@ def main(argv=None):
     out = Path(a.out)
     params = jax.device_get(export(best[1]))
     info = write_hf(cfg, params, out, shard_size_mb=8, overwrite=True, progress=False)
+    repack(out, out)  # every file under 4 MiB (the repository's rule): small shards, the embedding / head xz'd
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(a.tokenizer) / name, out / name)
     cfg2, served = load(out, progress=False)

@@ -1,7 +1,8 @@
 """Validate an HF checkpoint directory completely before any weight is read.
 
 `inspect(dir)` reads ``config.json``, the index (``model.safetensors.index.json`` with its ``weight_map``;
-a lone ``model.safetensors`` also works) and the header of every shard, and checks that every tensor of
+a lone ``model.safetensors`` also works) and the header of every shard (a shard may be stored as
+``NAME.xz``: `packed_shards.resolve`), and checks that every tensor of
 `hf_layout.stored_tensors(cfg, quantized)` is present with the right dtype and shape, that the index and
 the shard headers agree, and that nothing unexpected is there (DSpark / vision tensors and the gate's
 ``bias_vl`` are accepted and skipped). All problems found are reported together in one CheckpointError
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from checkpoints.hf_config import CONFIG_NAME, is_quantized, read_hf_config
 from checkpoints.hf_layout import Stored, is_ignored, stored_tensors
+from checkpoints.packed_shards import resolve
 from checkpoints.safetensors_io import NAMES, CheckpointError, TensorInfo, read_header
 from dsv41_jax.config import ModelConfig
 
@@ -75,10 +77,11 @@ def inspect(directory) -> Manifest:
     first = {}
     for name, f in wm.items():
         first.setdefault(f, name)
+    paths = {f: resolve(d, f) for f in files}  # the shard, or its .xz decompressed into the cache
     for f in files:
-        if not (d / f).is_file():
+        if paths[f] is None:
             raise CheckpointError(f"{d / f}: missing shard file (the index lists tensor {first[f]} in it)")
-    headers = {f: read_header(d / f) for f in files}
+    headers = {f: read_header(paths[f]) for f in files}
     errors, tensors, ignored = [], {}, []
     stored = stored_tensors(cfg, quantized)
     for name, f in wm.items():
@@ -98,7 +101,7 @@ def inspect(directory) -> Manifest:
         elif info.shape != tuple(s.shape):
             errors.append(f"tensor {s.name} in {d / f}: shape {list(info.shape)}, expected {list(s.shape)}")
         else:
-            tensors[s.name] = Located(d / f, info)
+            tensors[s.name] = Located(paths[f], info)
     want = {s.name for s in stored}
     for name in wm:
         if name in want:
@@ -112,4 +115,4 @@ def inspect(directory) -> Manifest:
         more = f"\n  ... and {len(errors) - MAX_LISTED} more" if len(errors) > MAX_LISTED else ""
         raise CheckpointError(f"{d}: invalid checkpoint ({len(errors)} problem(s)):\n  "
                               + "\n  ".join(errors[:MAX_LISTED]) + more)
-    return Manifest(d, cfg, quantized, stored, tensors, [d / f for f in files], ignored)
+    return Manifest(d, cfg, quantized, stored, tensors, [paths[f] for f in files], ignored)

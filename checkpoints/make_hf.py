@@ -99,7 +99,8 @@ def _prepare(out, overwrite: bool) -> Path:
     """Create `out`; refuse (or, with overwrite, delete) a checkpoint already there."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    old = [p for p in out.iterdir() if p.name in (CONFIG_NAME, INDEX_NAME) or p.suffix == ".safetensors"]
+    old = [p for p in out.iterdir() if p.name in (CONFIG_NAME, INDEX_NAME) or p.suffix == ".safetensors"
+           or p.name.endswith(".safetensors.xz")]
     if old and not overwrite:
         raise CheckpointError(f"{out}: already holds a checkpoint ({old[0].name}); pass overwrite=True / --force")
     for p in old:

@@ -460,3 +460,36 @@ def test_entries_cover_every_parameter(tiny):
     paths_ = {e.path for e in checkpoint_entries(tiny)}
     leaves = {p[:-1] if p[-1] in ("weight", "scale") and p[:-1] in paths_ else p for p in param_specs(tiny)}
     assert leaves == paths_
+
+
+def test_packed_shards_round_trip_under_a_size_limit(hf_dir, tmp_path, monkeypatch):
+    """repack: every file under the limit, big shards xz-compressed; the loader reads the packed checkpoint
+    through a decompression cache and gets the same tensors byte for byte; a damaged .xz is a clear error."""
+    from checkpoints import packed_shards
+
+    monkeypatch.setenv("DSV41_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "packed"
+    limit = 60_000
+    files = packed_shards.repack(hf_dir, out, max_bytes=50_000, limit=limit)
+    on_disk = {p.name: p.stat().st_size for p in out.iterdir() if p.name.startswith("model")}
+    assert on_disk == files and max(files.values()) <= limit
+    xz = [n for n in files if n.endswith(".xz")]
+    assert xz and len(files) > 2  # some shards compressed, the rest plain
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == {n.removesuffix(".xz") for n in files if n != INDEX_NAME}
+    assert (out / "config.json").read_bytes() == (hf_dir / "config.json").read_bytes()
+    ref_cfg, ref = load(hf_dir, progress=False)
+    cfg, got = load(out, progress=False)
+    assert cfg == ref_cfg
+    assert_trees_identical(got, ref)
+    cached = sorted((tmp_path / "cache" / "shards").glob("*/*"))
+    assert sorted(p.name for p in cached) == sorted(n.removesuffix(".xz") for n in xz)
+    # a second load reuses the decompressed files; a changed .xz gets its own cache entry (content-addressed)
+    mtimes = [p.stat().st_mtime_ns for p in cached]
+    load(out, progress=False)
+    assert [p.stat().st_mtime_ns for p in cached] == mtimes
+    damaged = out / xz[0]
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="cannot decompress"):
+        load(out, progress=False)
+    assert not list((tmp_path / "cache" / "shards").glob("*/*.safetensors.*"))  # no half-written file left

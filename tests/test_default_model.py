@@ -60,12 +60,13 @@ def test_files_config_and_formats(model):
     names = {p.name for p in DIR.iterdir()}
     assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
             "training.json"} <= names
-    shards = sorted(DIR.glob("model-*.safetensors"))
+    shards = sorted(DIR.glob("model-*.safetensors*"))  # plain, or xz-compressed (checkpoints.packed_shards)
     index = json.loads((DIR / "model.safetensors.index.json").read_text())
-    assert {s.name for s in shards} == set(index["weight_map"].values())
+    assert {s.name.removesuffix(".xz") for s in shards} == set(index["weight_map"].values())
     ckpt_bytes = sum(p.stat().st_size for p in shards) + sum((DIR / n).stat().st_size for n in
                                                               ("config.json", "model.safetensors.index.json"))
-    assert ckpt_bytes <= MAX_BYTES
+    assert ckpt_bytes <= MAX_BYTES and index["metadata"]["total_size"] <= MAX_BYTES  # on disk, and unpacked
+    assert max(p.stat().st_size for p in DIR.iterdir()) <= 4 * 2 ** 20  # every file under the repository's 4 MiB
     assert cfg == ModelConfig.from_hf_config(DIR)
     # every CED mechanism binds at 8K: window 128, ratio 0/2/1 layers with KV sharing, top-k << entries
     assert cfg.max_seq_len >= 8192 and cfg.window_size == 128
