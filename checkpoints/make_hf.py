@@ -31,7 +31,7 @@ import dsv41_jax  # noqa: F401  (sets XLA flags before the backend starts)
 from checkpoints.hf_config import CONFIG_NAME, write_hf_config
 from checkpoints.hf_layout import I8, Stored, stored_tensors
 from checkpoints.hf_manifest import INDEX_NAME
-from checkpoints.safetensors_io import CheckpointError, ShardWriter
+from checkpoints.safetensors_io import CheckpointError, ShardWriter, group_by_size
 from checkpoints.tree import flat
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
@@ -82,17 +82,7 @@ def _tensors(cfg: ModelConfig, params, stored: list[Stored]):
 
 
 def plan_shards(stored: list[Stored], shard_bytes: int) -> list[list[Stored]]:
-    shards, cur, size = [], [], 0
-    for st in stored:
-        n = math.prod(st.shape) * st.dtype.itemsize
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(st)
-        size += n
-    if cur:
-        shards.append(cur)
-    return shards
+    return group_by_size(stored, lambda st: math.prod(st.shape) * st.dtype.itemsize, shard_bytes)
 
 
 def _prepare(out, overwrite: bool) -> Path:

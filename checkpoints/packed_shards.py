@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checkpoints.safetensors_io import CheckpointError, SafeOpen, ShardWriter
+from checkpoints.safetensors_io import CheckpointError, SafeOpen, ShardWriter, group_by_size
 
 XZ = ".xz"
 LIMIT = 4 * 2 ** 20  # the house rule: tracked files up to 4 MiB
@@ -58,24 +58,6 @@ def resolve(directory, name: str) -> Path | None:
     return out
 
 
-def _plan(tensors: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Greedy groups of tensors, in order, whose data stays within max_bytes; a larger tensor gets a shard of
-    its own and the group being filled goes on after it."""
-    groups, cur, size = [], [], 0
-    for name, n in tensors:
-        if n > max_bytes:
-            groups.append([name])
-            continue
-        if cur and size + n > max_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(name)
-        size += n
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 def repack(src, dst, max_bytes: int = MAX_BYTES, limit: int = LIMIT) -> dict:
     """Rewrite the checkpoint in `src` into `dst` (created; may equal src) with every file <= limit bytes.
     Returns {file name: bytes on disk} of the shards and the index."""
@@ -92,7 +74,7 @@ def repack(src, dst, max_bytes: int = MAX_BYTES, limit: int = LIMIT) -> dict:
                 raise CheckpointError(f"{src / f}: missing shard file")
             readers[f] = SafeOpen(path)
         infos = {name: readers[f].header.tensors[name] for name, f in wm.items()}
-        groups = _plan([(name, infos[name].nbytes) for name in wm], max_bytes)
+        groups = group_by_size(list(wm), lambda name: infos[name].nbytes, max_bytes, big_alone=True)
         names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         with tempfile.TemporaryDirectory(dir=dst.parent if dst.parent.exists() else None) as tmp:
             tmp = Path(tmp)

@@ -129,6 +129,25 @@ def pread_into(fd: int, offset: int, out: np.ndarray, what: str = ""):
         done += k
 
 
+def group_by_size(items: list, nbytes, budget: int, big_alone: bool = False) -> list[list]:
+    """Greedy shard plan: consecutive items (tensors) while their `nbytes(item)` sum stays within `budget`.
+    With big_alone, an item over the budget gets a group of its own and the group being filled goes on."""
+    groups, cur, size = [], [], 0
+    for it in items:
+        n = nbytes(it)
+        if big_alone and n > budget:
+            groups.append([it])
+            continue
+        if cur and size + n > budget:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 class ShardWriter:
     """Write one safetensors file: the header from `specs` [(name, dtype, shape)], then `write` each tensor
     in the same order (streams: only the tensor being written is in memory)."""
