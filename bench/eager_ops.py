@@ -9,7 +9,8 @@ it is seen. This benchmark counts those dispatches by hooking the eager interpre
 (`jax._src.core.EvalTrace.process_primitive`, internal: it only counts, every call goes through unchanged)
 while one request runs through a day-0 engine: its prefill chunk(s), then its decode steps. It reports, per
 step, the dispatches, the distinct (primitive, shapes) pairs not seen before (first-use compilations) and the
-wall time, and per model the steady-state time per dispatch on this machine.
+wall time, and per model the steady-state time per dispatch on this machine. With `--compilation-cache DIR`
+the ops go to JAX's persistent cache as an eager server's do: a second run shows what a restart saves.
 
 `medium-narrow` is `medium` (V4.1-Flash's 40-layer schedule: 2 SWA layers, 18 ratio-2 and 20 ratio-1 layers,
 4 KV sources, 8 index sources, Engram at layers 1 and 14, 16 routed experts) with small widths, so that it
@@ -110,23 +111,32 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--decode-tokens", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--compilation-cache", default=None,
+                    help="persistent compilation cache dir (as an eager server uses it): run twice to see a restart")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from bench.common import write_result
+
+    if a.compilation_cache:
+        from serving.engine.engine import use_compilation_cache
+
+        use_compilation_cache(a.compilation_cache, "eager")
 
     rows = []
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
         print(f"{name}: one request of {a.prompt_len} tokens + {a.decode_tokens} outputs, eager (day-0)",
               file=sys.stderr)
-        rows.append(measure(name, a.prompt_len, a.decode_tokens, a.chunk))
+        rows.append(dict(measure(name, a.prompt_len, a.decode_tokens, a.chunk),
+                         compilation_cache=a.compilation_cache))
     if a.out:
         write_result(a.out, {"models": rows}, "python -m bench.eager_ops " + " ".join(argv or sys.argv[1:]))
     print(f"{'model':>14} {'layers':>6} {'prefill disp.':>13} {'decode disp.':>12} {'distinct':>9} "
-          f"{'us/disp.':>9} {'decode step s':>13}")
+          f"{'us/disp.':>9} {'decode step s':>13} {'first step s':>12}")
     for r in rows:
         print(f"{r['model']:>14} {r['n_layers']:>6} {r['prefill_dispatches_per_chunk'] or '-':>13} "
               f"{r['decode_dispatches_per_step'] or '-':>12} {r['distinct_primitive_shapes']:>9} "
-              f"{r['steady_us_per_dispatch'] or '-':>9} {r['steady_decode_step_s'] or '-':>13}")
+              f"{r['steady_us_per_dispatch'] or '-':>9} {r['steady_decode_step_s'] or '-':>13} "
+              f"{r['steps'][0]['s']:>12}")
     return 0
 
 
