@@ -115,20 +115,17 @@ def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64) == "xla"
 
 
-def test_compilation_cache_keeps_eager_ops_only_for_eager_engines(tmp_path):
+def test_compilation_cache_keeps_eager_ops_only_for_eager_engines(monkeypatch):
     """Eager execution compiles thousands of small ops: they go to the persistent cache too (threshold 0 s);
-    compiled execution caches only its programs (threshold 0.5 s)."""
+    compiled execution caches only its programs (threshold 0.5 s). (The settings are recorded, not applied: the
+    persistent cache is process-wide and the other tests share it.)"""
     import jax
 
     from serving.engine.engine import use_compilation_cache
 
-    keep = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    try:
-        use_compilation_cache(str(tmp_path), "eager")
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-        use_compilation_cache(str(tmp_path), "compiled")
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
-    finally:
-        jax.config.update("jax_compilation_cache_dir", keep[0])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", keep[1])
+    set_to: dict = {}
+    monkeypatch.setattr(jax.config, "update", lambda name, value: set_to.__setitem__(name, value))
+    use_compilation_cache("/some/dir", "eager")
+    assert set_to == {"jax_compilation_cache_dir": "/some/dir", "jax_persistent_cache_min_compile_time_secs": 0.0}
+    use_compilation_cache("/some/dir", "compiled")
+    assert set_to["jax_persistent_cache_min_compile_time_secs"] == 0.5
