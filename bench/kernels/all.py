@@ -2,7 +2,9 @@
 
     python -m bench.kernels --out bench/results/kernels_h200.json [--only SUBSTR] [--iters 30]
 
-Cases come from each kernel package's `bench.cases()` (pallas_kernels/{gemm,moe,indexer,sparse_attention,mhc}):
+(`python -m bench.kernels.all` is the same.)
+
+Cases come from each kernel's `cases()` (bench/kernels/{gemm,moe,indexer,sparse_attention,mhc}.py):
 dicts with name, fn_pallas, fn_xla, make_args (random full-shape device arrays, fixed seed) and bytes (the
 fewest bytes the op must move). For each case: both outputs are compared (max |diff| / max |ref| over the
 finite entries; masked -inf entries must agree exactly), then both are timed as device busy time per call
@@ -20,7 +22,8 @@ import traceback
 import jax
 import numpy as np
 
-from pallas_kernels.gemm.bench import device_us, wall_us
+from bench.common import write_result
+from bench.kernels.timing import device_us, wall_us
 
 PACKAGES = ("gemm", "moe", "indexer", "sparse_attention", "mhc")
 COPY_CEILING_GBS = 4300.0
@@ -42,7 +45,7 @@ def collect(only: str):
     cases = []
     for pkg in PACKAGES:
         try:
-            mod = importlib.import_module(f"pallas_kernels.{pkg}.bench")
+            mod = importlib.import_module(f"bench.kernels.{pkg}")
         except ModuleNotFoundError:
             print(f"(no bench module for {pkg})", file=sys.stderr)
             continue
@@ -84,8 +87,6 @@ def main(argv=None):
         rows.append(row)
         print(row, file=sys.stderr, flush=True)
     if a.out:
-        from bench.common import write_result
-
         write_result(a.out, {"rows": rows, "copy_ceiling_gbs": COPY_CEILING_GBS},
                      "python -m bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731

@@ -7,7 +7,7 @@ full-shape device arrays, fixed seed), bytes (minimum bytes the op must move). C
 fn_xla is the model's current approach: gather and decode every index key of the sequence's capacity from the
 pages (the reference's decode), score them all with jnp, and (candidates) keep the candidate columns.
 
-`python -m pallas_kernels.indexer.bench [--iters N] [--only SUBSTR] [--out results.json]` times both on the
+`python -m bench.kernels.indexer [--iters N] [--only SUBSTR] [--out results.json]` times both on the
 current device (median wall time of N synced calls), checks the numerics contract (fraction of columns whose
 score differs from XLA, largest difference in bf16 ulps of the row's largest score, top-512 agreement) and
 prints a table last.
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import write_result
 from pallas_kernels import common
 from pallas_kernels.indexer.kernel import (
     PAGE_TOKENS,
@@ -156,8 +157,7 @@ def main(argv=None):
                      "pallas_GBps": c["bytes"] / tp / 1e9, "bytes": c["bytes"], **num})
         del args
     if a.out:
-        from bench.common import write_result
-        write_result(a.out, {"cases": rows}, "python -m pallas_kernels.indexer.bench " + " ".join(argv))
+        write_result(a.out, {"cases": rows}, "python -m bench.kernels.indexer " + " ".join(argv))
     hdr = (f"{'case':24s} {'pallas_us':>10s} {'xla_us':>10s} {'speedup':>8s} {'GB/s':>7s} {'mask':>5s} "
            f"{'cols_diff':>9s} {'max_ulp':>7s} {'topk_eq':>7s} {'overlap':>7s}")
     print(hdr)

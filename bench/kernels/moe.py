@@ -6,8 +6,8 @@ Cases: w1/w3 (N=2304, K=5120) and w2 (N=5120, K=2304) of one layer, M = 6 * B ro
 routed uniformly at random (6 distinct experts each), bf16 and MXFP4. fn_xla is today's model path: dequantize
 all 384 experts, then `lax.ragged_dot_general` (which reads every expert).
 
-`python -m pallas_kernels.moe.bench [--iters N] [--only SUBSTR] [--sweep] [--out results.json]`: as
-pallas_kernels/gemm/bench.py (same runner and table).
+`python -m bench.kernels.moe [--iters N] [--only SUBSTR] [--sweep] [--out results.json]`: as
+bench/kernels/gemm.py (same runner and table, bench/kernels/timing.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gemm.bench import run
+from bench.kernels.timing import run
 from pallas_kernels.moe.block_sizes import pick_moe_block
 from pallas_kernels.moe.kernel import grouped_matmul
 
@@ -84,7 +84,7 @@ def sweep_fns(case):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    run(cases(), argv, "pallas_kernels.moe.bench", sweep_fns)
+    run(cases(), argv, "bench.kernels.moe", sweep_fns)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ random device arrays with a fixed seed: real-looking FP8 ring entries and FP4 la
 the op: the row's W-1 ring entries and its chunk row, the k selected latents, the selection indices and page
 table entries, q, sink and the bf16 output).
 
-`python -m pallas_kernels.sparse_attention.bench [--out FILE] [--only SUBSTR] [--chain N]` (GPU): for every case, checks
+`python -m bench.kernels.sparse_attention [--out FILE] [--only SUBSTR] [--chain N]` (GPU): for every case, checks
 the Pallas output against the XLA reference at the full shape (max error in bf16 ulps of each row's max|ref|,
 fraction bit-identical), times both (median over repetitions of a chain of calls inside one program, so the
 ~35 us per-call dispatch is amortised) and prints a table last, with the bandwidth against 4.3 TB/s.
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import write_result
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes
 from pallas_kernels.sparse_attention.kernel import paged_sparse_attention
 
@@ -148,8 +149,7 @@ def main(argv=None):
         rows.append((c["name"], res))
         del args
     if a.out:
-        from bench.common import write_result
-        cmd = "python -m pallas_kernels.sparse_attention.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        cmd = "python -m bench.kernels.sparse_attention " + " ".join(sys.argv[1:] if argv is None else argv)
         write_result(a.out, results, cmd)
     print(f"{'case':28s} {'pallas us':>10s} {'xla us':>9s} {'MB':>7s} {'%4.3TB/s':>9s} {'err ulp':>8s} "
           f"{'exact':>6s} {'1st s':>6s}")

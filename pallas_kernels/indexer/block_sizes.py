@@ -5,7 +5,7 @@ row. Larger tiles amortise the per-program query load (Hi x di bf16 = 8 KiB at f
 tensor-core dot a larger M; smaller tiles spread a batch-1 decode over more SMs. Rule: the largest tile in
 (128, 64, 32) that still launches at least `MIN_PROGRAMS` programs (two waves over the H200's 132 SMs).
 All tiles are powers of two (Pallas Triton load shapes) and multiples of the 8-entry candidate block.
-Not tuned on the GPU yet: the lead's bench (pallas_kernels/indexer/bench.py) is where to tune it.
+Not tuned on the GPU yet: the lead's bench (bench/kernels/indexer.py) is where to tune it.
 """
 
 from __future__ import annotations

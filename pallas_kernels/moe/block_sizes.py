@@ -6,7 +6,7 @@ enough that those programs cover the SMs. bk is in *k values* (the packed MXFP4 
 
 Invariants of a MoeBlock for (N, K): bm, bn powers of two >= 16; bk a power of two dividing K with bk >= 32
 (>= 64 for MXFP4: 32 bytes, one scale per 16 of them, dots of K >= 16 on each nibble plane); bn | N.
-Heuristics, to be tuned on the H200 (pallas_kernels/moe/bench.py --sweep).
+Heuristics, to be tuned on the H200 (bench/kernels/moe.py --sweep).
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+"""`python -m bench.kernels`: every kernel's cases in one table (bench/kernels/all.py)."""
+
+from bench.kernels.all import main
+
+main()
