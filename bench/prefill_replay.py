@@ -92,7 +92,7 @@ def engine_args(a, overrides: dict, max_model_len: int):
               prefill_buckets=tuple(a.buckets), decode_buckets=(a.max_num_seqs,), enable_prompt_logprobs=False,
               compilation_cache_dir=a.compilation_cache_dir)
     if a.cpu_smoke:  # the shared API test server's shapes: its compiled programs are reused from the cache
-        from serving.api.testing import SMALL_ENGINE_ARGS, shared_cache_dir
+        from serving.engine.config import SMALL_ENGINE_ARGS, shared_cache_dir
 
         kw.update(SMALL_ENGINE_ARGS, compilation_cache_dir=a.compilation_cache_dir or shared_cache_dir())
     kw.update(overrides)

@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dsv41_jax  # noqa: E402,F401  (sets XLA flags before JAX starts its backend)
-from serving.api.testing import shared_cache_dir  # noqa: E402
+from serving.engine.config import shared_cache_dir  # noqa: E402
 
 # One persistent compilation cache for the whole test process (JAX keeps one per process): engines built with
 # the same shapes in different tests, a "restarted" engine, and the servers' subprocesses reuse programs.

@@ -305,7 +305,7 @@ def test_idle_cap_pulls_in_long_gaps():
 # ---------------------------------------------------------------------------------------------- against the server
 @pytest.fixture(scope="module")
 def server():
-    from serving.api.testing import shared_test_server
+    from tests.harness import shared_test_server
 
     return shared_test_server()
 

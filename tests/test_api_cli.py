@@ -13,9 +13,10 @@ import grpc
 import openai
 import pytest
 
-from serving.api.testing import small_server_args, spawn_server
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from serving.spawn import spawn_server
+from tests.harness import small_server_args
 
 pytestmark = pytest.mark.timeout(400)
 

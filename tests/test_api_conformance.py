@@ -10,10 +10,10 @@ import grpc
 import openai
 import pytest
 
-from serving.api.testing import shared_test_server
 from serving.engine.types import SamplingParams
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from tests.harness import shared_test_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The stop-string test prompt: "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.api.testing import shared_long_server
+from tests.harness import shared_long_server
 
 pytestmark = pytest.mark.timeout(300)
 DOC = Path(__file__).resolve().parents[1] / "docs" / "SERVING.md"

@@ -8,10 +8,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from serving.api.testing import server_stats as stats
-from serving.api.testing import shared_test_server, wait_idle
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from tests.harness import server_stats as stats
+from tests.harness import shared_test_server, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,8 +9,8 @@ import urllib.request
 import openai
 import pytest
 
-from serving.api.testing import server_stats as stats
-from serving.api.testing import shared_test_server, wait_idle
+from tests.harness import server_stats as stats
+from tests.harness import shared_test_server, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 

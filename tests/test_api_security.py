@@ -17,9 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving.api.context import ServerContext
 from serving.api.protocol import ApiError
 from serving.api.security import ApiKeys, KeyLimiter, LimitExceeded, Tenant, exposure_warning, keys_from
-from serving.api.testing import small_server_args, spawn_server
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from serving.spawn import spawn_server
+from tests.harness import small_server_args
 
 pytestmark = pytest.mark.timeout(400)
 KEY_A, KEY_B = "key-alice-0123", "key-bob-4567"

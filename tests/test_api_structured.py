@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from serving.api import dsml
-from serving.api.testing import shared_long_server, shared_test_server
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from tests.harness import shared_long_server, shared_test_server
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -25,7 +25,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.default_model import DIR
 from dsv41_jax.engram_hash import EngramHasher
 from serving.api.chat_template import ChatTemplate
-from serving.api.testing import shared_cache_dir
+from serving.engine.config import shared_cache_dir
 from serving.tokenizer import HFTokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -244,7 +244,7 @@ def _sampled(engine, prompts_, n=6, **sp):
 def test_unseeded_requests_reproduce_after_a_restart_with_the_same_seed(tiny, tiny_params):
     """--seed drives the seeds of unseeded requests in arrival order (as vLLM): a restarted engine with the same
     seed gives the same outputs for the same sequence of requests; another seed does not."""
-    from serving.api.testing import SMALL_ENGINE_ARGS
+    from serving.engine.config import SMALL_ENGINE_ARGS
 
     ps = prompts(11, [20, 45, 70])
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.api.testing import shared_cache_dir
+from serving.engine.config import shared_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.sharding import DATA, TENSOR, Parallel, check_layout, param_partition_specs
-from serving.api.testing import shared_cache_dir
 from serving.engine import EngineArgs, SamplingParams
 from serving.engine.chunk_plan import DEC_NONE, DEC_WINDOW, ChunkPlan
+from serving.engine.config import shared_cache_dir
 from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
 from serving.engine.page_pool import PagePool
 from serving.engine.request import Request

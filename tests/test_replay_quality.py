@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import replay_quality as rq
-from serving.api.testing import shared_cache_dir
+from serving.engine.config import shared_cache_dir
 
 
 def test_compare_hand_computed():

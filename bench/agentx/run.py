@@ -277,7 +277,7 @@ def main(argv=None) -> int:
             if a.url:
                 url, grpc_target = a.url, a.grpc
             else:
-                from serving.api.testing import spawn_server
+                from serving.spawn import spawn_server
 
                 flags = (["--model", a.model] if a.model else []) + shlex.split(a.server_args) + server_flags(overrides)
                 log.info("starting the %s server: python -m serving.run %s", side, shlex.join(flags))

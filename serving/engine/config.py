@@ -10,11 +10,25 @@ dsv41_jax.sharding.Parallel, None on one device) and rejects layouts the model o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from dsv41_jax.kv_format import pages_for
 from dsv41_jax.ops import check_kernels, missing_pallas_ops, pallas_config_problems
 from dsv41_jax.sharding import Parallel, check_layout
+
+DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")  # `python -m serving.run`'s default
+# The smallest shapes a CPU server compiles quickly (one prefill and one decode bucket: 4 programs). The API
+# tests' shared server, their `python -m serving.run` subprocesses and the benchmarks' --cpu-smoke runs all use
+# them, so each compiles its programs once into the shared compilation cache.
+SMALL_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, prefill_buckets=(128,),
+                         decode_buckets=(8,))
+
+
+def shared_cache_dir() -> str:
+    """The persistent compilation cache shared by the tests, the notebooks, the benchmarks' smoke runs and their
+    server subprocesses: $DSV41_COMPILATION_CACHE_DIR, else DEFAULT_COMPILATION_CACHE_DIR (expanded)."""
+    return os.path.expanduser(os.environ.get("DSV41_COMPILATION_CACHE_DIR", DEFAULT_COMPILATION_CACHE_DIR))
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
