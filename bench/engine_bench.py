@@ -20,6 +20,7 @@ import numpy as np
 import dsv41_jax  # noqa: F401
 from bench.common import write_result
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.ops import KERNEL_CHOICES
 from serving.engine import Engine, EngineArgs, SamplingParams
 from serving.engine.engine import load_model
 
@@ -46,7 +47,7 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--kernels", default="xla", choices=("xla", "pallas"), help="the engine's kernel choice")
+    ap.add_argument("--kernels", default="xla", choices=KERNEL_CHOICES, help="the engine's kernel choice")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if os.path.isdir(a.preset):  # a checkpoint (e.g. the embedded default model)

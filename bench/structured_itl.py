@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from serving.engine.config import KERNELS
+
 SCHEMA = {"type": "array", "minItems": 500, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],
     "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}}
@@ -71,7 +73,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per request")
     ap.add_argument("--skip", type=int, default=4, help="first tokens of each request left out of the ITL")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of the three phases (the first warms up)")
-    ap.add_argument("--kernels", default="auto", choices=("auto", "xla", "pallas"))
+    ap.add_argument("--kernels", default="auto", choices=KERNELS)
     ap.add_argument("--compilation-cache-dir", default="", help="JAX persistent compilation cache ('' : off)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)

@@ -10,34 +10,141 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
-import time
+import typing
 from pathlib import Path
 
-from serving.engine.config import EngineArgs
+from serving.api.server import TOOL_PARSERS, ServerConfig
+from serving.engine.config import CPU_SERVER_DEFAULTS, FIELD_DEFAULT, EngineArgs, Flag
 
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")
 PRESETS = ("tiny", "small", "medium", "full")
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default_model")
 DEFAULT_MODEL_NAME = "dsv41-stdlib-8k"
-CPU_DEFAULTS = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}  # a 4-lane agentic session on 2 CPU cores
-_D = EngineArgs()  # engine defaults, so the help text stays in sync with the engine
+LOG_LEVELS = ("debug", "info", "warning", "error")
+GROUPS = {"model": "model", "engine": "engine", "parallelism": "parallelism (docs/PARALLELISM.md)",
+          "multi-host": "multi-host", "server": "server", "tool calling": "tool calling", "security": "security"}
+_S = ServerConfig()  # the server's defaults
+
+# The server's own flags (every engine flag is an EngineArgs field: serving/engine/config.py). Each group's
+# server flags come before its engine flags in --help and in docs/SERVING.md's table.
+SERVER_FLAGS: tuple[tuple[str, Flag], ...] = (
+    ("model", Flag(f"the embedded default model (a trained small model), a preset ({' | '.join(PRESETS)}: "
+                   "random weights) or a checkpoint directory (official HF layout or orbax)",
+                   names=("--model", "--checkpoint"), group="model", default=DEFAULT_MODEL,
+                   shown="dsv41_jax/default_model")),
+    ("weight_format", Flag("checkpoint weight format passed to the loader (None: detected)", group="model",
+                           default=None)),
+    ("tokenizer", Flag("byte (UTF-8 bytes; ids 256/257 are BOS/EOS), a path to an HF tokenizer.json (or its "
+                       "directory), or none (token-id prompts only; text fields stay empty). auto: the checkpoint "
+                       "directory's tokenizer.json if it has one, else byte", group="model", default="auto")),
+    ("served_model_name", Flag("the model name in the API (None: the preset name or the checkpoint directory "
+                               "name; the model path is accepted too)", group="model", default=None,
+                               shown="preset / directory name")),
+    ("chat_template", Flag("a Jinja chat template file or string, or dsv41 (None: the tokenizer's, else the "
+                           "built-in DeepSeek-V4.1 encoding)", group="model", default=None,
+                           shown="tokenizer's, else built-in")),
+    ("nnodes", Flag("processes (hosts) of one engine, through jax.distributed", group="multi-host", default=1)),
+    ("node_rank", Flag("this process's rank; 0 serves the APIs, the others replay its device calls (headless)",
+                       group="multi-host", default=0)),
+    ("master_addr", Flag("address of the node-rank-0 coordinator", group="multi-host", default="127.0.0.1")),
+    ("master_port", Flag("port of the node-rank-0 coordinator", group="multi-host", default=29500)),
+    ("host", Flag("address to listen on (0.0.0.0: all interfaces)", group="server", default=_S.host)),
+    ("port", Flag("HTTP port (0: pick a free one; -1: no HTTP)", group="server", default=_S.port)),
+    ("grpc_port", Flag("gRPC port (0: pick a free one; -1: no gRPC)", group="server", default=_S.grpc_port)),
+    ("max_request_bytes", Flag("largest accepted request body / gRPC message in bytes (0: max(1 MiB, 32 x "
+                               "max_model_len))", group="server", default=_S.max_request_bytes)),
+    ("shutdown_timeout", Flag("on SIGTERM, seconds in-flight requests may take to finish", group="server",
+                              default=_S.shutdown_timeout)),
+    ("log_level", Flag("logging level (logs go to stderr; the ready lines to stdout)", group="server",
+                       default="info", choices=LOG_LEVELS)),
+    ("enable_auto_tool_choice", Flag("let tool_choice \"auto\" parse the model's tool calls into tool_calls "
+                                     "(needs --tool-call-parser; without it \"auto\", the default when tools are "
+                                     "sent, is a 400); \"required\" and named functions work without it",
+                                     group="tool calling", default=_S.enable_auto_tool_choice)),
+    ("tool_call_parser", Flag("the tool-call syntax to parse: deepseek_v41 (DSML <｜DSML｜ calls> blocks)",
+                              group="tool calling", default=_S.tool_call_parser, choices=TOOL_PARSERS)),
+    ("api_key", Flag("require 'Authorization: Bearer KEY' on /v1/* and /engine/* (HTTP) and 'authorization' "
+                     "metadata (gRPC); repeat for several keys; each key is its own prefix-cache namespace. "
+                     "Default: the VLLM_API_KEY environment variable, else no authentication", group="security",
+                     default=None, action="append", metavar="KEY", shown="$VLLM_API_KEY, else none")),
+    ("protect_metrics", Flag("require an API key on /metrics too", group="security", default=_S.protect_metrics)),
+    ("ssl_certfile", Flag("TLS certificate (PEM) for HTTP and gRPC", group="security", default=_S.ssl_certfile)),
+    ("ssl_keyfile", Flag("TLS private key (PEM) for HTTP and gRPC", group="security", default=_S.ssl_keyfile)),
+    ("ssl_ca_certs", Flag("CA certificates (PEM): clients must present a certificate they signed (mutual TLS)",
+                          group="security", default=_S.ssl_ca_certs)),
+    ("max_requests_per_key", Flag("open requests per API key beyond which new ones get 429 / RESOURCE_EXHAUSTED "
+                                  "(0: no cap)", group="security", default=_S.max_requests_per_key)),
+    ("max_queued_tokens_per_key", Flag("queued (not yet running) prompt tokens per API key beyond which new "
+                                       "requests get 429 / RESOURCE_EXHAUSTED (0: no cap)", group="security",
+                                       default=_S.max_queued_tokens_per_key)),
+)
 
 
-def _buckets(text: str) -> tuple[int, ...]:
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A comma list of positive integers (sorted, unique)."""
     try:
         vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or vals[0] < 1:
-        raise argparse.ArgumentTypeError(f"buckets must be positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals
+
+
+def engine_flags() -> list[tuple[str, Flag, object, type]]:
+    """(field name, Flag, CLI default, the field's type) of every EngineArgs field that is a server flag."""
+    hints = typing.get_type_hints(EngineArgs)
+    out = []
+    for f in dataclasses.fields(EngineArgs):
+        flag = f.metadata.get("cli")
+        if flag is not None:
+            default = f.default if flag.default is FIELD_DEFAULT else flag.default
+            out.append((f.name, flag, default, hints[f.name]))
+    return out
+
+
+def all_flags() -> list[tuple[str, Flag, object, type]]:
+    """Every flag (dest, Flag, default, type), in --help order: by group, the server's flags first."""
+    server = [(dest, fl, fl.default, type(fl.default) if fl.default is not None else str) for dest, fl in SERVER_FLAGS]
+    rows = server + engine_flags()
+    return sorted(rows, key=lambda r: (list(GROUPS).index(r[1].group), r not in server))
+
+
+def _names(dest: str, flag: Flag) -> tuple[str, ...]:
+    return flag.names or ("--" + dest.replace("_", "-"),)
+
+
+def _argparse_kw(flag: Flag, default, typ) -> dict:
+    kw = {"default": default, "help": flag.help.replace("%", "%%")}
+    if flag.action:
+        kw["action"] = flag.action
+    elif typ is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(typ) is tuple:
+        kw["type"] = _positive_ints
+    else:
+        kw["type"] = next(t for t in typing.get_args(typ) or (typ,) if t is not type(None))
+    if flag.choices:
+        kw["choices"] = flag.choices
+    if flag.metavar or (flag.names and not flag.choices and typ is not bool):
+        kw["metavar"] = flag.metavar or flag.names[0].lstrip("-").replace("-", "_").upper()
+    return kw
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass
+
+
+class _PrintFlagTable(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(flag_table(), end="")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,147 +152,51 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m serving.run", description=__doc__, formatter_class=_Formatter,
         epilog="Examples:\n  python -m serving.run\n  python -m serving.run --model /ckpt/dsv41-flash --tokenizer "
                "/ckpt/dsv41-flash/tokenizer.json --max-model-len 32768 --host 0.0.0.0")
-    BoolOpt = argparse.BooleanOptionalAction
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "--checkpoint", dest="model", default=DEFAULT_MODEL,
-                   help="the embedded default model (a trained small model), a preset (tiny | small | medium | full: "
-                        "random weights) or a checkpoint directory "
-                        "(official HF layout or orbax)")
-    g.add_argument("--weight-format", default=None, help="checkpoint weight format passed to the loader "
-                                                          "(None: detected)")
-    g.add_argument("--tokenizer", default="auto",
-                   help="byte (UTF-8 bytes; ids 256/257 are BOS/EOS), a path to an HF tokenizer.json (or its "
-                        "directory), or none (token-id prompts only; text fields stay empty). auto: the checkpoint "
-                        "directory's tokenizer.json if it has one, else byte")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name in the API (None: the preset name or the checkpoint directory name)")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file or string, or dsv41 (None: the tokenizer's, else the built-in "
-                        "DeepSeek-V4.1 encoding)")
-    g.add_argument("--seed", type=int, default=_D.seed, help="seed for random weights and default sampling seeds")
-
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (None: min(model max_seq_len, 8192)); a preset's random "
-                        "weights accept any length")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help=f"most requests running at once (None: {CPU_DEFAULTS['max_num_seqs']} on a CPU, "
-                        f"{_D.max_num_seqs} otherwise)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"token budget of one engine step, >= the sliding window (None: "
-                        f"{CPU_DEFAULTS['max_num_batched_tokens']} on a CPU, {_D.max_num_batched_tokens} otherwise)")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=_D.long_prefill_token_threshold,
-                   help="cap on one request's prefill chunk while others wait (0: off)")
-    g.add_argument("--prefill-schedule-interval", type=int, default=_D.prefill_schedule_interval,
-                   help="while decodes run, schedule prefill chunks only every N steps (1: every step)")
-    g.add_argument("--swa-bounded-replay", action=BoolOpt, default=_D.swa_bounded_replay,
-                   help="on a prefix-cache hit, replay only the last window of cached tokens instead of "
-                        "storing sliding-window snapshots (--no-swa-bounded-replay: exact mode)")
-    g.add_argument("--swa-snapshot-slots", type=int, default=_D.snapshot_slots,
-                   help="exact mode: device slots for SWA snapshots, one per conversation whose next turn should "
-                        "resume without recomputing its prompt (0: 8 x max_num_seqs; LRU beyond)")
-    g.add_argument("--enable-prefix-caching", action=BoolOpt, default=_D.enable_prefix_caching,
-                   help="reuse the global KV of shared prompt prefixes (64-token pages)")
-    g.add_argument("--num-pages", type=int, default=_D.num_pages,
-                   help="global-KV pages of 64 tokens (0: 2 x max_num_seqs x pages per max_model_len)")
-    g.add_argument("--session-ttl", type=float, default=_D.session_ttl_s,
-                   help="seconds a session's cached prefix is protected from eviction after its request")
-    g.add_argument("--max-queued-requests", type=int, default=_D.max_queued_requests,
-                   help="waiting requests beyond which new ones get 503 / RESOURCE_EXHAUSTED")
-    if hasattr(_D, "enable_prompt_logprobs"):
-        g.add_argument("--enable-prompt-logprobs", action=BoolOpt, default=_D.enable_prompt_logprobs,
-                       help="compile the programs for prompt logprobs (echo + logprobs, lm-eval loglikelihood)")
-    g.add_argument("--kernels", choices=("auto", "xla", "pallas"), default=_D.kernels,
-                   help="kernels (auto: the Pallas kernels on a GPU where they serve the model, else XLA)")
-    g.add_argument("--execution", choices=("compiled", "eager"), default=_D.execution,
-                   help="compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch")
-    g = p.add_argument_group("parallelism (docs/PARALLELISM.md)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_D.tensor_parallel_size,
-                   help="devices of the tensor-parallel group: heads, WO-A groups and expert intermediate dims split, "
-                        "the latent KV replicated (low latency)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=_D.data_parallel_size,
-                   help="data-parallel attention ranks, each owning its requests, pages and prefix cache; requests "
-                        "placed by session / cached prefix / load")
-    g.add_argument("--enable-expert-parallel", action="store_true", default=_D.enable_expert_parallel,
-                   help="split the routed experts across the data-parallel ranks (DEP, all-to-all dispatch)")
-    g.add_argument("--all2all-backend", choices=("auto", "ragged", "padded"), default=_D.all2all_backend,
-                   help="DEP token exchange: ragged_all_to_all (GPU), capacity-padded all_to_all (any backend); "
-                        "auto: ragged on GPU, padded elsewhere")
-    g.add_argument("--moe-capacity-factor", type=float, default=_D.moe_capacity_factor,
-                   help="DEP: rows a rank may receive per step, as a multiple of its own routed rows; rows beyond "
-                        "it are dropped and counted (0: lossless)")
-    g.add_argument("--dp-load-cap", type=int, default=_D.dp_load_cap,
-                   help="a returning session stays on its rank until that rank holds this many more requests "
-                        "than the least loaded one (0: max_num_seqs)")
-    g.add_argument("--nnodes", type=int, default=1, help="processes (hosts) of one engine, through jax.distributed")
-    g.add_argument("--node-rank", type=int, default=0,
-                   help="this process's rank; 0 serves the APIs, the others replay its device calls (headless)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="address of the node-rank-0 coordinator")
-    g.add_argument("--master-port", type=int, default=29500, help="port of the node-rank-0 coordinator")
-    g.add_argument("--prefill-buckets", type=_buckets, default=None,
-                   help="prefill chunk sizes to compile, e.g. 64,256 (None: powers of two up to "
-                        "max_num_batched_tokens; on CPU just max_num_batched_tokens)")
-    g.add_argument("--decode-buckets", type=_buckets, default=None,
-                   help="decode batch sizes to compile, e.g. 1,8 (None: powers of two up to max_num_seqs; on "
-                        "CPU just max_num_seqs)")
-    g.add_argument("--compilation-cache-dir", default=DEFAULT_CACHE_DIR,
-                   help="JAX persistent compilation cache: a second start reuses compiled programs ('none' "
-                        "disables)")
-
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port (0: pick a free one; -1: no HTTP)")
-    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: pick a free one; -1: no gRPC)")
-    g.add_argument("--max-request-bytes", type=int, default=0,
-                   help="largest accepted request body / gRPC message in bytes (0: max(1 MiB, 32 x "
-                        "max_model_len))")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish")
-    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="logging level (logs go to stderr; the ready lines to stdout)")
-
-    g = p.add_argument_group("tool calling")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let tool_choice "auto" parse the model\'s tool calls into tool_calls (needs '
-                        '--tool-call-parser); "required" and named functions work without it')
-    g.add_argument("--tool-call-parser", choices=("deepseek_v41",), default=None,
-                   help="the tool-call syntax to parse: deepseek_v41 (DSML <｜DSML｜ calls> blocks)")
-
-    g = p.add_argument_group("security")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (HTTP) and 'authorization' metadata (gRPC); "
-                        "repeat for several keys; each key is its own prefix-cache namespace. Default: the "
-                        "VLLM_API_KEY environment variable, else no authentication")
-    g.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
-    g.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for HTTP and gRPC")
-    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
-    g.add_argument("--ssl-ca-certs", default=None,
-                   help="CA certificates (PEM): clients must present a certificate they signed (mutual TLS)")
-    g.add_argument("--max-requests-per-key", type=int, default=0,
-                   help="open requests per API key beyond which new ones get 429 / RESOURCE_EXHAUSTED (0: no cap)")
-    g.add_argument("--max-queued-tokens-per-key", type=int, default=0,
-                   help="queued (not yet running) prompt tokens per API key beyond which new requests get 429 / "
-                        "RESOURCE_EXHAUSTED (0: no cap)")
+    p.add_argument("--print-flag-table", action=_PrintFlagTable,
+                   help="print docs/SERVING.md's flag table (markdown) and exit")
+    groups = {k: p.add_argument_group(title) for k, title in GROUPS.items()}
+    for dest, flag, default, typ in all_flags():
+        groups[flag.group].add_argument(*_names(dest, flag), dest=dest, **_argparse_kw(flag, default, typ))
     return p
 
 
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def flag_table() -> str:
+    """docs/SERVING.md's flag table, from the same flags as the parser."""
+    lines = ["| flag | default | what |", "|---|---|---|"]
+    for dest, flag, default, typ in all_flags():
+        names = list(_names(dest, flag))
+        if typ is bool and not flag.action:
+            names[0] = names[0].replace("--", "--[no-]", 1)
+        spell = ", ".join(f"`{n}`" for n in names)
+        if flag.choices:
+            spell += " " + " \\| ".join(f"`{c}`" for c in flag.choices)
+        if flag.shown is not None:
+            shown = flag.shown
+        elif typ is bool:
+            shown = "on" if default else "off"
+        elif default is None:
+            shown = "none"
+        else:
+            shown = f"`{default}`"
+        lines.append(f"| {spell} | {_md(shown)} | {_md(flag.help)} |")
+    return "\n".join(lines) + "\n"
+
+
 def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> EngineArgs:
-    mbt = a.max_num_batched_tokens or (CPU_DEFAULTS["max_num_batched_tokens"] if on_cpu else _D.max_num_batched_tokens)
-    seqs = a.max_num_seqs or (CPU_DEFAULTS["max_num_seqs"] if on_cpu else _D.max_num_seqs)
-    kw = dict(max_model_len=a.max_model_len or min(max_seq_len, 8192), max_num_seqs=seqs,
-              max_num_batched_tokens=mbt, long_prefill_token_threshold=a.long_prefill_token_threshold,
-              prefill_schedule_interval=a.prefill_schedule_interval, swa_bounded_replay=a.swa_bounded_replay,
-              snapshot_slots=a.swa_snapshot_slots, enable_prefix_caching=a.enable_prefix_caching,
-              num_pages=a.num_pages, session_ttl_s=a.session_ttl,
-              max_queued_requests=a.max_queued_requests, execution=a.execution, kernels=a.kernels,
-              compilation_cache_dir=cache_dir(a), prefill_buckets=a.prefill_buckets or ((mbt,) if on_cpu else ()),
-              decode_buckets=a.decode_buckets or ((seqs,) if on_cpu else ()), seed=a.seed,
-              tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
-              enable_expert_parallel=a.enable_expert_parallel, all2all_backend=a.all2all_backend,
-              moe_capacity_factor=a.moe_capacity_factor, dp_load_cap=a.dp_load_cap)
-    if hasattr(a, "enable_prompt_logprobs"):
-        kw["enable_prompt_logprobs"] = a.enable_prompt_logprobs
+    """The EngineArgs of the parsed flags, with the server's defaults for what was not given (the model's
+    context up to 8192 tokens; on a CPU CPU_SERVER_DEFAULTS and one bucket each; `none`: no compilation cache)."""
+    kw = {name: getattr(a, name) for name, *_ in engine_flags()}
+    sized = CPU_SERVER_DEFAULTS if on_cpu else {}
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        kw[name] = kw[name] or sized.get(name) or EngineArgs.__dataclass_fields__[name].default
+    kw["max_model_len"] = kw["max_model_len"] or min(max_seq_len, 8192)
+    kw["prefill_buckets"] = kw["prefill_buckets"] or ((kw["max_num_batched_tokens"],) if on_cpu else ())
+    kw["decode_buckets"] = kw["decode_buckets"] or ((kw["max_num_seqs"],) if on_cpu else ())
+    kw["compilation_cache_dir"] = cache_dir(a)
     return EngineArgs(**kw)
 
 
@@ -205,60 +216,46 @@ def _tokenizer_spec(a) -> str:
 
 
 def build(a: argparse.Namespace):
-    """Load the model and tokenizer, compile the engine; returns (engine, ServerConfig)."""
+    """Check the flags, load the tokenizer, build the engine (it loads the model and compiles its programs);
+    returns (engine, ServerConfig)."""
     import jax
 
     from dsv41_jax.config import ModelConfig
-    from serving.engine.engine import Engine, load_model, make_mesh, model_config_of, use_compilation_cache
+    from serving.engine.engine import Engine, load_model, model_config_of
     from serving.tokenizer import load_tokenizer
 
     log = logging.getLogger("serving.run")
     is_preset = not os.path.isdir(a.model)
     if is_preset and a.model not in PRESETS:
         raise ValueError(f"--model {a.model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-    on_cpu = jax.default_backend() == "cpu"
-    cache = cache_dir(a)
-    if cache:  # before the weights: init/convert programs are cached too
-        os.makedirs(cache, exist_ok=True)
-        use_compilation_cache(cache, a.execution)
-    server_config(a)  # validate the server flags before any expensive work
-    if is_preset:  # validate the flags before any expensive work
-        longest = max(a.max_model_len or 0, ModelConfig.preset(a.model).max_seq_len)
-        preset = ModelConfig.preset(a.model, max_seq_len=longest)
-        engine_args(a, preset.max_seq_len, on_cpu).resolved(preset)
-    t0 = time.perf_counter()
-    log.info("loading %s (backend %s)", a.model, jax.default_backend())
-    kw = {"weight_format": a.weight_format} if a.weight_format else {}
+    server_config(a)  # the server flags, before any expensive work
     model = a.model
     if is_preset and a.max_model_len and a.max_model_len > ModelConfig.preset(a.model).max_seq_len:
         model = ModelConfig.preset(a.model, max_seq_len=a.max_model_len)  # random weights: any context length
-    known = model_config_of(model, a.weight_format)  # the mesh first: weights go straight onto their shards
-    mesh = layout = None
-    if known is not None:
-        resolved = engine_args(a, known.max_seq_len, on_cpu).resolved(known)
-        mesh, layout = make_mesh(resolved), resolved.parallel
-    cfg, params = load_model(model, a.seed, mesh=mesh, parallel=layout, **kw)
-    args = engine_args(a, cfg.max_seq_len, on_cpu)
+    known = model_config_of(model, a.weight_format)  # the config without reading a weight
+    if known is None:  # neither an HF nor an Orbax directory: the loader raises, naming what is missing
+        load_model(model, weight_format=a.weight_format)
+    args = engine_args(a, known.max_seq_len, jax.default_backend() == "cpu")
+    if args.compilation_cache_dir:
+        os.makedirs(args.compilation_cache_dir, exist_ok=True)
     spec = _tokenizer_spec(a)
-    if spec == "byte" and cfg.vocab_size < 256:
-        log.warning("vocabulary %d < 256: no byte tokenizer, serving token ids only", cfg.vocab_size)
+    if spec == "byte" and known.vocab_size < 256:
+        log.warning("vocabulary %d < 256: no byte tokenizer, serving token ids only", known.vocab_size)
         spec = "none"
-    tok = load_tokenizer(spec, cfg.vocab_size)
-    log.info("model loaded in %.1f s; compiling the engine's programs", time.perf_counter() - t0)
-    engine = Engine(cfg, args, params=params, tokenizer=tok, progress=True)
+    tok = load_tokenizer(spec, known.vocab_size)
+    log.info("loading %s (backend %s) and compiling the engine's programs", a.model, jax.default_backend())
+    engine = Engine(model, args, tokenizer=tok, weight_format=a.weight_format, progress=True)
     log.info("engine ready: %d programs in %.1f s (compilation cache: %s)", engine.runner.compile_count,
-             engine.warmup_s, cache or "off")
+             engine.warmup_s, args.compilation_cache_dir or "off")
     default_name = DEFAULT_MODEL_NAME if os.path.abspath(a.model) == DEFAULT_MODEL else \
         os.path.basename(os.path.normpath(a.model))
     name = a.served_model_name or (a.model if is_preset else default_name)
-    config = server_config(a, name, {a.model, cfg.name})
-    return engine, config
+    return engine, server_config(a, name, {a.model, engine.cfg.name})
 
 
 def server_config(a: argparse.Namespace, name: str | None = None, aliases=()):
     """The ServerConfig of the parsed flags (validated before the model loads)."""
     from serving.api.security import keys_from
-    from serving.api.server import ServerConfig
 
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (deepseek_v41)")
@@ -271,13 +268,9 @@ def server_config(a: argparse.Namespace, name: str | None = None, aliases=()):
             raise FileNotFoundError(f"no such file: {f}")
     if a.max_requests_per_key < 0 or a.max_queued_tokens_per_key < 0:
         raise ValueError("per-key limits must be >= 0")
-    return ServerConfig(host=a.host, port=a.port, grpc_port=a.grpc_port, served_model_name=name,
-                        aliases=set(aliases), chat_template=a.chat_template, max_request_bytes=a.max_request_bytes,
-                        shutdown_timeout=a.shutdown_timeout, enable_auto_tool_choice=a.enable_auto_tool_choice,
-                        tool_call_parser=a.tool_call_parser, api_keys=keys_from(a.api_key).keys,
-                        protect_metrics=a.protect_metrics, ssl_certfile=a.ssl_certfile, ssl_keyfile=a.ssl_keyfile,
-                        ssl_ca_certs=a.ssl_ca_certs, max_requests_per_key=a.max_requests_per_key,
-                        max_queued_tokens_per_key=a.max_queued_tokens_per_key)
+    same = {f.name for f in dataclasses.fields(ServerConfig)} & {dest for dest, _ in SERVER_FLAGS}
+    kw = {k: getattr(a, k) for k in same} | {"served_model_name": name}  # the flag, resolved by build()
+    return ServerConfig(**kw, aliases=set(aliases), api_keys=keys_from(a.api_key).keys)
 
 
 def main(argv=None) -> int:

@@ -1,24 +1,32 @@
-"""`python -m serving.run` as a subprocess: --help, flag errors, an HF tokenizer.json with its chat template,
---tokenizer none (token ids only), and SIGTERM (stop accepting, finish in-flight requests, exit 0)."""
+"""`python -m serving.run`: the flags derived from EngineArgs (their spellings, defaults and docs/SERVING.md's
+table), and as a subprocess: --help, flag errors, an HF tokenizer.json with its chat template, --tokenizer none
+(token ids only), and SIGTERM (stop accepting, finish in-flight requests, exit 0)."""
 
+import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
 
+from serving import run
+from serving.engine.config import EngineArgs
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
 from serving.spawn import spawn_server
 from tests.harness import small_server_args
 
 pytestmark = pytest.mark.timeout(400)
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")
@@ -48,6 +56,75 @@ def test_help_documents_the_vllm_style_flags():
                  "--grpc-port", "--tokenizer", "--compilation-cache-dir", "--prefill-buckets", "--decode-buckets",
                  "--served-model-name", "--max-queued-requests", "--shutdown-timeout"):
         assert flag in r.stdout, flag
+
+
+# ---------------------------------------------------------------------------------------------- flags
+NOT_FLAGS = {"eos_token_ids", "force_mesh", "parallel"}  # EngineArgs fields the server does not expose
+
+
+def test_every_engine_arg_is_a_flag_or_named_internal():
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    flags = {name for name, *_ in run.engine_flags()}
+    assert flags == names - NOT_FLAGS
+    dests = [dest for dest, *_ in run.all_flags()]
+    assert len(dests) == len(set(dests))  # no server flag shadows an engine field
+
+
+def test_serving_md_flag_table_is_the_generated_one():
+    doc = (DOCS / "SERVING.md").read_text()
+    m = re.search(r"<!-- flag-table:[^\n]*-->\n(.*?)<!-- end flag-table -->", doc, re.DOTALL)
+    assert m, "docs/SERVING.md lost its flag-table markers"
+    assert m.group(1) == run.flag_table(), "regenerate it: python -m serving.run --print-flag-table"
+    assert run_cli("--print-flag-table", timeout=60).stdout == m.group(1)
+
+
+def test_flag_spellings_map_onto_engine_args():
+    argv = ["--max-model-len", "300", "--max-num-seqs", "3", "--max-num-batched-tokens", "512",
+            "--long-prefill-token-threshold", "32", "--prefill-schedule-interval", "2", "--no-swa-bounded-replay",
+            "--swa-snapshot-slots", "5", "--no-enable-prefix-caching", "--num-pages", "99", "--session-ttl", "7.5",
+            "--max-queued-requests", "6", "--no-enable-prompt-logprobs", "--execution", "eager", "--kernels", "xla",
+            "--compilation-cache-dir", "~/some/cache", "--prefill-buckets", "256,64,64", "--decode-buckets", "2,1",
+            "--seed", "7", "-tp", "2", "-dp", "4", "--enable-expert-parallel", "--all2all-backend", "padded",
+            "--moe-capacity-factor", "1.5", "--dp-load-cap", "3"]
+    got = run.engine_args(run.build_parser().parse_args(argv), max_seq_len=4096, on_cpu=True)
+    want = EngineArgs(max_model_len=300, max_num_seqs=3, max_num_batched_tokens=512, long_prefill_token_threshold=32,
+                      prefill_schedule_interval=2, swa_bounded_replay=False, snapshot_slots=5,
+                      enable_prefix_caching=False, num_pages=99, session_ttl_s=7.5, max_queued_requests=6,
+                      enable_prompt_logprobs=False, execution="eager", kernels="xla",
+                      compilation_cache_dir=os.path.expanduser("~/some/cache"), prefill_buckets=(64, 256),
+                      decode_buckets=(1, 2), seed=7, tensor_parallel_size=2, data_parallel_size=4,
+                      enable_expert_parallel=True, all2all_backend="padded", moe_capacity_factor=1.5, dp_load_cap=3)
+    assert got == want
+    a = run.build_parser().parse_args(["--checkpoint", "small", "--api-key", "k1", "--api-key", "k2",
+                                       "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v41"])
+    cfg = run.server_config(a, "name")
+    assert (a.model, cfg.api_keys, cfg.enable_auto_tool_choice, cfg.served_model_name) == \
+        ("small", ["k1", "k2"], True, "name")
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_flag_defaults_are_the_servers(on_cpu, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    a = run.build_parser().parse_args([])
+    got = run.engine_args(a, max_seq_len=100_000, on_cpu=on_cpu)
+    seqs, mbt = (4, 1024) if on_cpu else (8, 256)
+    assert got == EngineArgs(max_model_len=8192, max_num_seqs=seqs, max_num_batched_tokens=mbt,
+                             prefill_buckets=(mbt,) if on_cpu else (), decode_buckets=(seqs,) if on_cpu else (),
+                             compilation_cache_dir=os.path.expanduser("~/.cache/dsv41-jax/jax"))
+    assert run.engine_args(a, max_seq_len=512, on_cpu=on_cpu).max_model_len == 512
+    assert run.engine_args(run.build_parser().parse_args(["--compilation-cache-dir", "none"]), 512,
+                           on_cpu).compilation_cache_dir is None
+    assert (a.model, a.tokenizer, a.host, a.port, a.grpc_port, a.log_level) == \
+        (run.DEFAULT_MODEL, "auto", "127.0.0.1", 8000, 50051, "info")
+    assert run.server_config(a) == run.ServerConfig(aliases=set())
+
+
+@pytest.mark.parametrize("argv", [["--prefill-buckets", "0,8"], ["--decode-buckets", "x"], ["--kernels", "cuda"],
+                                  ["--all2all-backend", "emulated"], ["--execution", "lazy"]])
+def test_bad_flag_values_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.build_parser().parse_args(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,needle", [

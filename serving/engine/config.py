@@ -1,4 +1,8 @@
-"""Engine arguments (names follow vLLM's flags where the concept matches).
+"""Engine arguments (names follow vLLM's flags where the concept matches), and their command-line metadata.
+
+Each field that is a server flag carries a `Flag` in its metadata (`cli(...)`): the flag's spellings, help,
+choices and, where the server derives it, the CLI default. `python -m serving.run` builds its parser and
+docs/SERVING.md's flag table from these fields (serving/run.py), so a flag is added by adding its field here.
 
 Parallelism (docs/PARALLELISM.md): `tensor_parallel_size` N (TP over N devices) or `data_parallel_size` N
 (N attention ranks, each owning its requests, pages, rings and prefix cache) with `enable_expert_parallel`
@@ -14,9 +18,15 @@ import os
 from dataclasses import dataclass, field
 
 from dsv41_jax.kv_format import pages_for
-from dsv41_jax.ops import check_kernels, missing_pallas_ops, pallas_config_problems
-from dsv41_jax.sharding import Parallel, check_layout
+from dsv41_jax.ops import KERNEL_CHOICES, check_kernels, missing_pallas_ops, pallas_config_problems
+from dsv41_jax.sharding import A2A_CHOICES, Parallel, check_layout
 
+KERNELS = ("auto", *KERNEL_CHOICES)  # --kernels
+EXECUTIONS = ("compiled", "eager")  # --execution
+A2A_FLAG_CHOICES = tuple(c for c in A2A_CHOICES if c != "emulated")  # --all2all-backend ("emulated": CPU tests)
+# The server's sizing on a CPU where --max-num-seqs / --max-num-batched-tokens are not given: a 4-lane agentic
+# session on 2 cores (serving/run.py applies it; the engine's own defaults are the fields').
+CPU_SERVER_DEFAULTS = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")  # `python -m serving.run`'s default
 # The smallest shapes a CPU server compiles quickly (one prefill and one decode bucket: 4 programs). The API
 # tests' shared server, their `python -m serving.run` subprocesses and the benchmarks' --cpu-smoke runs all use
@@ -31,6 +41,32 @@ def shared_cache_dir() -> str:
     return os.path.expanduser(os.environ.get("DSV41_COMPILATION_CACHE_DIR", DEFAULT_COMPILATION_CACHE_DIR))
 
 
+FIELD_DEFAULT = object()  # Flag.default: the EngineArgs field's own default
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag: of an EngineArgs field (in its metadata, see `cli`) or of the server (serving/run.py).
+
+    names: the spellings, the first is the canonical one (vLLM's); () = `--` + the field name with dashes.
+    default: the CLI default where it differs from the field's (None: the server derives it, `help` says how).
+    shown: the default as docs/SERVING.md's table shows it (None: the default itself).
+    A bool is `--[no-]NAME`, a tuple of ints a comma list, other types parse as the field's annotation."""
+    help: str
+    names: tuple[str, ...] = ()
+    group: str = "engine"
+    choices: tuple[str, ...] | None = None
+    default: object = FIELD_DEFAULT
+    shown: str | None = None
+    action: str | None = None  # an argparse action for the server's list-valued flags ("append")
+    metavar: str | None = None
+
+
+def cli(help: str, **kw) -> dict:
+    """Field metadata that makes an EngineArgs field a server flag (see `Flag`)."""
+    return {"cli": Flag(help, **kw)}
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -40,34 +76,81 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+_CPU = CPU_SERVER_DEFAULTS
+_P = "parallelism"
+
+
 @dataclass
 class EngineArgs:
-    max_model_len: int = 1024
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
-    long_prefill_token_threshold: int = 0  # 0: off
-    prefill_schedule_interval: int = 1  # >1: run prefills only every N steps while decodes are running
-    swa_bounded_replay: bool = True
-    enable_prefix_caching: bool = True
-    num_pages: int = 0  # 0: derived from max_model_len * max_num_seqs * 2
-    snapshot_slots: int = 0  # exact mode SWA snapshots (0: 8 * max_num_seqs; bench/agentx/snapshot_sim.py)
-    session_ttl_s: float = 600.0  # a session's cached prefix outlives anonymous pages this long
-    max_queued_requests: int = 1024  # admission control for the API servers
-    enable_prompt_logprobs: bool = True  # compile the every-row-logits prefill programs (echo + logprobs)
-    execution: str = "compiled"  # compiled | eager
-    kernels: str = "auto"  # auto (pallas on a GPU where the kernels serve the model, else xla) | xla | pallas
-    compilation_cache_dir: str | None = None
-    prefill_buckets: tuple[int, ...] = ()  # () = powers of two from 16 to max_num_batched_tokens
-    decode_buckets: tuple[int, ...] = ()  # () = powers of two up to max_num_seqs
-    seed: int = 0
+    max_model_len: int = field(default=1024, metadata=cli(
+        "longest prompt + output in tokens (None: min(model max_seq_len, 8192)); a preset's random weights accept "
+        "any length", default=None, shown="min(model max, 8192)"))
+    max_num_seqs: int = field(default=8, metadata=cli(
+        f"most requests running at once (None: {_CPU['max_num_seqs']} on a CPU, 8 otherwise)", default=None,
+        shown=f"{_CPU['max_num_seqs']} on a CPU, else 8"))
+    max_num_batched_tokens: int = field(default=256, metadata=cli(
+        f"token budget of one engine step, >= the sliding window (None: {_CPU['max_num_batched_tokens']} on a CPU, "
+        "256 otherwise)", default=None, shown=f"{_CPU['max_num_batched_tokens']} on a CPU, else 256"))
+    long_prefill_token_threshold: int = field(default=0, metadata=cli(
+        "cap on one request's prefill chunk while others wait (0: off)"))
+    prefill_schedule_interval: int = field(default=1, metadata=cli(
+        "while decodes run, schedule prefill chunks only every N steps (1: every step)"))
+    swa_bounded_replay: bool = field(default=True, metadata=cli(
+        "on a prefix-cache hit, replay only the last window of cached tokens instead of storing sliding-window "
+        "snapshots (--no-swa-bounded-replay: exact mode)"))
+    enable_prefix_caching: bool = field(default=True, metadata=cli(
+        "reuse the global KV of shared prompt prefixes (64-token pages)"))
+    num_pages: int = field(default=0, metadata=cli(
+        "global-KV pages of 64 tokens (0: 1 + 2 x max_num_seqs x pages per max_model_len)"))
+    snapshot_slots: int = field(default=0, metadata=cli(  # bench/agentx/snapshot_sim.py
+        "exact mode: device slots for SWA snapshots (about 2.6 MiB each for medium), one per conversation whose "
+        "next turn should resume without recomputing its prompt (0: 8 x max_num_seqs); LRU beyond: a warm turn "
+        "whose snapshot was evicted recomputes its whole cached prefix (dsv41:swa_snapshot_misses_total)",
+        names=("--swa-snapshot-slots",)))
+    session_ttl_s: float = field(default=600.0, metadata=cli(
+        "seconds a session's cached prefix is protected from eviction after its request", names=("--session-ttl",)))
+    max_queued_requests: int = field(default=1024, metadata=cli(
+        "waiting requests beyond which new ones get 503 / RESOURCE_EXHAUSTED"))
+    enable_prompt_logprobs: bool = field(default=True, metadata=cli(
+        "compile the programs for prompt logprobs (echo + logprobs, lm-eval loglikelihood)"))
+    execution: str = field(default="compiled", metadata=cli(
+        "compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch (the step under "
+        "jax.disable_jit(): ~60K op dispatches per medium step, the day-0 baseline; its ops go to the persistent "
+        "compilation cache too)", choices=EXECUTIONS))
+    kernels: str = field(default="auto", metadata=cli(
+        "auto: the Pallas kernels on a GPU where they serve the model (bf16 compute, FP8/FP4 KV, window a multiple "
+        "of 64, no tensor parallelism, compiled execution), XLA's ops elsewhere (on a CPU the kernels would run "
+        "interpreted); on the H200 (medium) Pallas decodes 2.3-3.1x and prefills 2.5x faster (docs/BENCHMARKS.md); "
+        "pallas refuses a model it cannot serve, naming why", choices=KERNELS))
+    compilation_cache_dir: str | None = field(default=None, metadata=cli(
+        "JAX persistent compilation cache: a second start reuses compiled programs (none: off)",
+        default=DEFAULT_COMPILATION_CACHE_DIR))
+    prefill_buckets: tuple[int, ...] = field(default=(), metadata=cli(  # () = powers of two from 16 to max_n_b_t
+        "prefill chunk sizes to compile, e.g. 64,256, each 2-3 programs (None: powers of two up to "
+        "max_num_batched_tokens; on a CPU just max_num_batched_tokens)", default=None,
+        shown="powers of two; on a CPU one"))
+    decode_buckets: tuple[int, ...] = field(default=(), metadata=cli(  # () = powers of two up to max_num_seqs
+        "decode batch sizes to compile, e.g. 1,8, each one program (None: powers of two up to max_num_seqs; on a "
+        "CPU just max_num_seqs)", default=None, shown="powers of two; on a CPU one"))
+    seed: int = field(default=0, metadata=cli("seed for random weights and default sampling seeds", group="model"))
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    all2all_backend: str = "auto"  # DEP token exchange: auto | ragged (GPU) | padded | emulated (CPU tests)
-    moe_capacity_factor: float = 0.0  # DEP: rows a rank may receive per call / its own routed rows (0: lossless)
-    dp_load_cap: int = 0  # DEP/DP: a session leaves its rank once that rank holds this many more requests
-    #                       than the least loaded one (0: max_num_seqs)
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "devices of the tensor-parallel group: heads, WO-A groups and expert intermediate dims split, the latent KV "
+        "replicated (low latency)", names=("--tensor-parallel-size", "-tp"), group=_P))
+    data_parallel_size: int = field(default=1, metadata=cli(
+        "data-parallel attention ranks, each owning its requests, pages and prefix cache; requests placed by "
+        "session / cached prefix / load", names=("--data-parallel-size", "-dp"), group=_P))
+    enable_expert_parallel: bool = field(default=False, metadata=cli(
+        "split the routed experts across the data-parallel ranks (DEP, all-to-all dispatch)", group=_P))
+    all2all_backend: str = field(default="auto", metadata=cli(
+        "DEP token exchange: ragged_all_to_all (GPU), capacity-padded all_to_all (any backend); auto: ragged on "
+        "GPU, padded elsewhere", choices=A2A_FLAG_CHOICES, group=_P))
+    moe_capacity_factor: float = field(default=0.0, metadata=cli(
+        "DEP: rows a rank may receive per step, as a multiple of its own routed rows; rows beyond it are dropped "
+        "and counted (0: lossless)", group=_P))
+    dp_load_cap: int = field(default=0, metadata=cli(
+        "a returning session stays on its rank until that rank holds this many more requests than the least "
+        "loaded one (0: max_num_seqs)", group=_P))
     force_mesh: bool = False  # run the sharded programs even on one device (a mesh of size 1; benchmarks)
     parallel: Parallel | None = None  # resolved from the flags above (do not set)
 
@@ -82,7 +165,7 @@ class EngineArgs:
                              "carries the decoder's last-window rows")
         if a.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
-        if a.execution not in ("compiled", "eager"):
+        if a.execution not in EXECUTIONS:
             raise ValueError(f"--execution must be compiled or eager, got {a.execution!r}")
         if a.kernels == "auto":
             a.kernels = auto_kernels(a, cfg)

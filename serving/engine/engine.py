@@ -143,22 +143,23 @@ class EngineInspect:
 class Engine:
     def __init__(self, model="tiny", args: EngineArgs | None = None, *, params=None, tokenizer=None,
                  token_map=None, progress: bool = True, served_model_name: str | None = None, programs=None,
-                 **engine_kw):
-        """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used."""
+                 weight_format: str | None = None, **engine_kw):
+        """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used.
+        `weight_format` goes to the checkpoint loader (None: as stored)."""
         args = args or EngineArgs(**engine_kw)
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
             use_compilation_cache(args.compilation_cache_dir, args.execution)
-        known = model_config_of(model)
+        known = model_config_of(model, weight_format)
         mesh = None
         if known is not None:  # flags checked and the mesh built before any weight is made
             args = args.resolved(known)
             mesh = make_mesh(args)
         if params is None:
-            cfg, params = load_model(model, args.seed, mesh=mesh, parallel=args.parallel)
+            cfg, params = load_model(model, args.seed, weight_format, mesh=mesh, parallel=args.parallel)
         else:
             cfg = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
         self.cfg = cfg
-        self.args = args.resolved(cfg)
+        self.args = args if known is not None else args.resolved(cfg)  # known: cfg read without its weights
         if mesh is None:
             mesh = make_mesh(self.args)
         if tokenizer is None:
