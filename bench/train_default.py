@@ -46,6 +46,7 @@ from bench import stdlib_corpus as corpus
 from dsv41_jax import train as T
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.params import num_params
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / "dsv41_jax" / "default_model"
@@ -367,7 +368,7 @@ def main(argv=None):
 
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     facts = {
-        "model": {"name": cfg.name, "backbone_params": cfg.num_params(), "engram_table_params":
+        "model": {"name": cfg.name, "backbone_params": num_params(cfg), "engram_table_params":
                   cfg.num_engram_table_params(), "max_seq_len": cfg.max_seq_len, "vocab_size": cfg.vocab_size},
         "corpus": {"root": str(corpus.stdlib_root() if a.stdlib_root is None else a.stdlib_root),
                    "python": sys.version.split()[0],

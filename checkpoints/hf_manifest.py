@@ -17,12 +17,10 @@ from pathlib import Path
 
 from checkpoints.hf_config import CONFIG_NAME, is_quantized, read_hf_config
 from checkpoints.hf_layout import Stored, is_ignored, stored_tensors
-from checkpoints.packed_shards import resolve
+from checkpoints.packed_shards import INDEX_NAME, SINGLE_NAME, resolve
 from checkpoints.safetensors_io import NAMES, CheckpointError, TensorInfo, read_header
 from dsv41_jax.config import ModelConfig
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 MAX_LISTED = 20
 
 

@@ -8,7 +8,8 @@ model's 8192 x 256 bf16 embedding and head are 4 MiB + header) is stored xz-comp
 `resolve(dir, name)` is how readers find a shard: the file itself, or its ``.xz`` decompressed once into
 ``$DSV41_CACHE_DIR`` (default ``~/.cache/dsv41-jax``) ``/shards/<sha256 of the .xz>/NAME`` (written to a
 temporary file and renamed, so a reader never sees half a shard). `hf_manifest.inspect` calls it, so every loader
-(`checkpoints.load`, the server, the benchmarks) reads packed checkpoints unchanged.
+(`checkpoints.load`, the server, the benchmarks) reads packed checkpoints unchanged. The shard file names of an
+HF directory (`INDEX_NAME`, `SINGLE_NAME`) live here, below hf_manifest.
 
     python -m checkpoints.packed_shards SRC DST [--max-bytes 4000000]
 """
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from checkpoints.safetensors_io import CheckpointError, SafeOpen, ShardWriter, group_by_size
 
+INDEX_NAME = "model.safetensors.index.json"  # an HF checkpoint's shard index: tensor name -> shard file
+SINGLE_NAME = "model.safetensors"  # the one shard of an unsharded HF checkpoint
 XZ = ".xz"
 LIMIT = 4 * 2 ** 20  # the house rule: tracked files up to 4 MiB
 MAX_BYTES = 4_000_000  # default shard budget, under LIMIT with room for the header
@@ -61,8 +64,6 @@ def resolve(directory, name: str) -> Path | None:
 def repack(src, dst, max_bytes: int = MAX_BYTES, limit: int = LIMIT) -> dict:
     """Rewrite the checkpoint in `src` into `dst` (created; may equal src) with every file <= limit bytes.
     Returns {file name: bytes on disk} of the shards and the index."""
-    from checkpoints.hf_manifest import INDEX_NAME
-
     src, dst = Path(src), Path(dst)
     index = json.loads((src / INDEX_NAME).read_text())
     wm: dict[str, str] = index["weight_map"]

@@ -211,12 +211,6 @@ class ModelConfig:
                 bad("engram_num_embeddings must have one entry per engram layer")
 
     # ------------------------------------------------------------------ accounting
-    def num_params(self) -> int:
-        """Backbone parameters (logical elements; FP8/FP4 scales and Engram tables excluded)."""
-        from dsv41_jax import params as P
-
-        return sum(s.logical_size for s in P.param_specs(self).values() if s.role not in ("scale", "engram_table"))
-
     def num_engram_table_params(self) -> int:
         return sum(self.engram_rows) * self.engram_head_dim
 

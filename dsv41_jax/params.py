@@ -170,6 +170,11 @@ def param_specs(cfg: ModelConfig) -> dict[tuple, Leaf]:
     return out
 
 
+def num_params(cfg: ModelConfig) -> int:
+    """Backbone parameters (logical elements; FP8/FP4 scales and Engram tables excluded)."""
+    return sum(s.logical_size for s in param_specs(cfg).values() if s.role not in ("scale", "engram_table"))
+
+
 def _set(tree, path, value):
     for k in path[:-1]:
         tree = tree.setdefault(k, {})

@@ -24,6 +24,7 @@ from dsv41_jax import train as T
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.default_model import DIR
 from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.params import num_params
 from serving.api.chat_template import ChatTemplate
 from serving.engine.config import shared_cache_dir
 from serving.tokenizer import HFTokenizer
@@ -74,7 +75,7 @@ def test_files_config_and_formats(model):
     assert len(cfg.kv_source_layers) < sum(1 for r in cfg.compress_ratios if r)  # reuse layers exist
     assert cfg.index_topk * 16 <= cfg.max_seq_len and cfg.candidate_source_layer >= 0
     assert cfg.n_routed_experts > cfg.n_activated_experts and cfg.hc_mult == 4 and cfg.engram_layer_ids
-    assert 10e6 <= cfg.num_params() + cfg.num_engram_table_params() <= 15e6
+    assert 10e6 <= num_params(cfg) + cfg.num_engram_table_params() <= 15e6
     # FP8 linears and MXFP4 experts as the official layout stores them
     f = flat(params)
     assert f[("layers", "attn", "wq_a", "weight")].dtype == jnp.float8_e4m3fn

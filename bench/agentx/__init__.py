@@ -3,5 +3,6 @@
 Modules: `tracegen` (synthetic Weka traces, §3), `traces` (Weka files -> session trees, the theoretical
 cache), `prompts` (token-exact filler, cache-bust marker, chat messages), `clients` (token-id completions,
 chat completions, gRPC), `replay` (N lanes of session trees with AgentX timing), `metrics` (InferenceX
-formulas), `plot` (Pareto PNG), `run` (the A/B CLI, `python -m bench.agentx`; the day-0 baseline `run.DAY0`).
+formulas), `plot` (Pareto PNG), `sides` (the day-0 baseline `DAY0` and the other sides), `run` (the A/B CLI,
+`python -m bench.agentx`).
 """

@@ -28,6 +28,7 @@ import re
 from collections import defaultdict
 
 PCTS = (50, 75, 90, 95, 99)
+SLO = 50.0  # tok/s/user: the interactivity target the AgentX articles quote
 
 
 def percentile(values, p: float) -> float | None:
@@ -193,3 +194,19 @@ def _dig(d, keys):
             return None
         d = d[k]
     return d
+
+
+def slo_targets(rows: list[dict], slo: float = SLO) -> dict:
+    """Per side, the best TPGS among points whose p90 interactivity (and, separately, E2E-normalised p90
+    interactivity) is at least `slo` tok/s/user; and optimised / day0 (the issue's target: >= 5x)."""
+    out: dict = {}
+    for key in ("intvty_p90", "e2e_norm_intvty_p90"):
+        best = {}
+        for r in rows:
+            if (r.get(key) or 0) >= slo and r.get("tpgs"):
+                best[r["side"]] = max(best.get(r["side"], 0.0), r["tpgs"])
+        opt, d0 = best.get("optimised"), best.get("day0")
+        out[key] = {"slo": slo, "best_tpgs": best,
+                    "optimised_over_day0": (opt / d0) if opt and d0 else None,
+                    "note": None if d0 else "day0 has no point at this interactivity"}
+    return out

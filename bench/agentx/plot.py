@@ -14,7 +14,9 @@ import argparse
 import json
 import sys
 
-SLO = 50.0
+from bench.agentx.metrics import SLO, slo_targets
+from bench.agentx.sides import DAY0, server_flags
+
 COLORS = {"day0": "#999999", "exact": "#d08a2c", "optimised": "#2a7ab0"}
 
 
@@ -89,7 +91,6 @@ def main(argv=None):
     rows = rows_from_files(a.files)
     print(plot_pareto(rows, a.out, a.title) or "matplotlib is not installed")
     if a.summary:
-        from bench.agentx.run import DAY0, server_flags, slo_targets
         from bench.common import write_result
 
         write_result(a.summary, {"rows": rows, "files": list(a.files), "slo_50": slo_targets(rows),

@@ -11,9 +11,9 @@
     # against a running server (one side, named by --label):
     python -m bench.agentx --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051 --label mine --concurrency 4
 
-The day-0 baseline is defined once, here (`DAY0`): exact SWA snapshots instead of bounded replay (decoder on
-every prompt row), eager execution, XLA kernels, no long-prefill threshold, no prefill interval. Optimised =
-the server's defaults. Both sides get the same `--model` / `--server-args`.
+The sides are defined in bench/agentx/sides.py: the day-0 baseline (`DAY0`: exact SWA snapshots, eager
+execution, XLA kernels, ...) against optimised (the server's defaults). Both sides get the same `--model` /
+`--server-args`.
 
 Traces: `--traces FILE` (Weka .jsonl / .json, real or generated), else `--num-traces` generated ones
 (`tracegen`), sized from the server's max_model_len unless `--scale` is given (`tracegen.auto_params`), with
@@ -37,25 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-DAY0 = {"swa_bounded_replay": False, "execution": "eager", "kernels": "xla", "long_prefill_token_threshold": 0,
-        "prefill_schedule_interval": 1}
-OPTIMISED: dict = {}  # the server defaults
-EXACT = {"swa_bounded_replay": False}  # the defaults but exact SWA snapshots: isolates bounded replay's share
-SIDES = {"day0": DAY0, "exact": EXACT, "optimised": OPTIMISED}
+from bench.agentx.metrics import slo_targets
+from bench.agentx.sides import DAY0, SIDES, server_flags
 
 log = logging.getLogger("bench.agentx")
-
-
-def server_flags(overrides: dict) -> list[str]:
-    """EngineArgs-named overrides as `python -m serving.run` flags (booleans as --x / --no-x)."""
-    out = []
-    for k, v in overrides.items():
-        name = k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(f"--{name}" if v else f"--no-{name}")
-        else:
-            out += [f"--{name}", str(v)]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -150,22 +135,6 @@ def run_point(a, side: str, url: str, grpc_target: str | None, traces, concurren
     return records, {"side": side, "concurrency": concurrency, "client": a.client, "duration_target_s": a.duration,
                      "replay": {k: v for k, v in vars(cfg).items() if k != "tag"}, "run": info,
                      "headline": headline(summary), "metrics": summary}
-
-
-def slo_targets(rows: list[dict], slo: float = 50.0) -> dict:
-    """Per side, the best TPGS among points whose p90 interactivity (and, separately, E2E-normalised p90
-    interactivity) is at least `slo` tok/s/user; and optimised / day0 (the issue's target: >= 5x)."""
-    out: dict = {}
-    for key in ("intvty_p90", "e2e_norm_intvty_p90"):
-        best = {}
-        for r in rows:
-            if (r.get(key) or 0) >= slo and r.get("tpgs"):
-                best[r["side"]] = max(best.get(r["side"], 0.0), r["tpgs"])
-        opt, d0 = best.get("optimised"), best.get("day0")
-        out[key] = {"slo": slo, "best_tpgs": best,
-                    "optimised_over_day0": (opt / d0) if opt and d0 else None,
-                    "note": None if d0 else "day0 has no point at this interactivity"}
-    return out
 
 
 def _fmt(v, spec):
