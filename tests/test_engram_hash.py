@@ -5,7 +5,7 @@ from dsv41_jax.engram_hash import EngramHasher, hash_multipliers, is_prime
 
 
 def slow_hash(tokens, layer, n, mult, primes, offsets, pad):
-    """Position-by-position Python-int version of MODEL.md §2.7."""
+    """Position-by-position Python-int version of dsv41_jax/engram_hash.py's hashing."""
     out = []
     for t in range(len(tokens)):
         grams, blocked = [], False

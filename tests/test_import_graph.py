@@ -5,7 +5,7 @@ import that only runs when a function is called is still a dependency, and a cyc
 import is still a cycle. `from a.b import c` is an edge to the module a.b.c when it is one, else to a.b (the
 package's __init__); `import a.b` to a.b. Imports of anything outside these packages are ignored.
 
-Layers (DEVELOPERS.md): pallas_kernels < dsv41_jax < checkpoints < serving < bench; training/ sits beside bench
+Layers (docs/ARCHITECTURE.md): pallas_kernels < dsv41_jax < checkpoints < serving < bench; training/ sits beside bench
 (it may import dsv41_jax, checkpoints and pallas_kernels; only bench and the tests import it); tools/ may use the
 library and bench's result writer; nothing imports tools/ or tests/.
 """

@@ -1,4 +1,4 @@
-"""InferenceX / AgentX metrics from replay records (spec AGENTX_AND_ENGINE.md §1.4, exact formulas).
+"""InferenceX / AgentX metrics from replay records (the formulas below; bench/agentx/README.md, "Metrics").
 
 Population: profiling-phase records without an error (warm-up rows and failed requests are dropped).
 Percentiles interpolate linearly between order statistics: k = (n - 1) p / 100.

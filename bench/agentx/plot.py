@@ -1,6 +1,6 @@
 """Pareto plot of an AgentX sweep: throughput per GPU (TPGS) against interactivity, one line per side.
 
-    python -m bench.agentx.plot bench/results/agentx_h200_*_c*.json --out docs/img/agentx_h200_pareto.png
+    python -m bench.agentx.plot bench/results/agentx_h200_*_c*.json --out bench/results/agentx_h200_pareto.png
 
 Left: the North-Star plane, TPGS against E2E-normalised interactivity p90 (1 / p90 of E2EL / OSL); right:
 TPGS against interactivity p90 (1 / p90 ITL). Each point is one concurrency (labelled N), the non-dominated

@@ -1,4 +1,4 @@
-"""AgentX-style replay of session trees against a server (spec AGENTX_AND_ENGINE.md §1.3 and §3.3).
+"""AgentX-style replay of session trees against a server (bench/agentx/README.md, "What a run does").
 
 - Concurrency = N lanes, each running one live session tree (a trace's main agent plus its subagents).
   Subagents run outside N, concurrently with the parent, and a joined subagent gates the parent's next turn

@@ -2,7 +2,7 @@
 server that keeps only the engine's prefix-cache and exact-mode snapshot bookkeeping.
 
     python -m bench.agentx.snapshot_sim --max-model-len 32768 --max-num-seqs 16 --concurrency 8 \\
-        --slots 16,32,64,128,256 --out bench/results/agentx_snapshot_sim.json
+        --slots 16,32,64,128,256 --out bench/results/agentx_snapshot_sim_ms0.json
 
 The simulated server hashes each prompt into 64-token blocks (`serving.engine.block_hash`), finds its prefix-cache
 hit in an LRU page cache of `--num-pages` pages (the engine's default size when 0), and, as the scheduler does in

@@ -1,4 +1,4 @@
-"""Synthetic AgentX-like traces in the Weka JSON format (spec AGENTX_AND_ENGINE.md §1.2 and §3).
+"""Synthetic AgentX-like traces in the Weka JSON format (bench/agentx/traces.py reads them).
 
     python -m bench.agentx.tracegen --num-traces 64 --scale 0.0625 --out /tmp/traces.jsonl   # + a calibration report
 
@@ -6,7 +6,7 @@ One trace = one Claude-Code-like session tree: a main agent of `T_main` turns wh
 recorded assistant output plus a tool result every turn, and (with probability `p_sub`) subagents spawned in
 parallel batches that share the parent's tool-definition blocks, run their own short conversations and are
 joined by the next parent turn (85%) or run in the background (15%). Every draw comes from
-`numpy.random.default_rng(seed)`; the §3.1 defaults are the `GenParams` defaults.
+`numpy.random.default_rng(seed)`; the distributions' parameters are the `GenParams` defaults.
 
 Block model (what a real capture's chained block hashes look like): a context of n tokens has
 `ceil(n / 64)` hash ids; the full blocks keep their ids while the context grows, the trailing partial block
@@ -17,7 +17,7 @@ tree; the generator counts it exactly (`hit_blocks`), without materialising ids 
 needed.
 
 Extensions to the Weka fields (ignored by other readers): a subagent entry carries `join` (true: the next
-parent turn waits for it), and each "n" request `hit_blocks` (its theoretical hit). Scaled variant (§3.2):
+parent turn waits for it), and each "n" request `hit_blocks` (its theoretical hit). Scaled variant:
 `scale` multiplies every context-size distribution (tools, system, first user message, tool results,
 subagent briefs, compaction size), `out_scale` the output lengths; turns, subagent structure and timing are
 unchanged. With `ctx_max` set, a turn that would not fit (ISL + OSL > ctx_max) compacts the context first
@@ -41,7 +41,7 @@ TARGETS = {"turns_median": 43, "isl_median": 142_000, "osl_median": 444, "p_sub"
 
 @dataclass(frozen=True)
 class GenParams:
-    """§3.1 distributions. Sizes are tokens at scale 1; lognormals are given by (median, sigma)."""
+    """The trace distributions. Sizes are tokens at scale 1; lognormals are given by (median, sigma)."""
     turns: tuple[float, float] = (43, 0.8)
     turns_clip: tuple[int, int] = (20, 400)
     tools_tokens: int = 12_000
@@ -97,7 +97,7 @@ def smoke_params(ctx_max: int = 256, turns: tuple[int, int] = (2, 4)) -> GenPara
 
 
 def auto_params(max_model_len: int, out_scale: float = 0.2) -> GenParams:
-    """Scaled §3.1 parameters for a server of `max_model_len` tokens: median ISL about max_model_len / 3.5
+    """Scaled `GenParams` for a server of `max_model_len` tokens: median ISL about max_model_len / 3.5
     (scale <= 1), contexts compacted before they overflow; `smoke_params` below 2048 tokens."""
     if max_model_len < 2048:
         return smoke_params(max_model_len)
@@ -370,7 +370,7 @@ def _walk(requests: list[dict], top: bool = True):
 
 
 def calibration(traces: list[dict], params: GenParams | None = None) -> dict:
-    """Generated medians against the §3 targets (sizes scaled by the params' scale / out_scale)."""
+    """Generated medians against the `TARGETS` (sizes scaled by the params' scale / out_scale)."""
     turns, isl_main, isl_all, osl, hit, blocks, n_sub_list = [], [], [], [], 0, 0, []
     over = 0
     ctx_max = params.context_max if params else None
@@ -411,7 +411,7 @@ def _count_subagents(requests: list[dict]) -> int:
 
 def calibrate(params: GenParams, seed: int = 0, n_traces: int = 400, tol: float = 0.05,
               max_iter: int = 12) -> tuple[GenParams, dict]:
-    """Bisect `result_scale` until the median main-agent ISL is within tol of 142K x scale (spec §3.2)."""
+    """Bisect `result_scale` until the median main-agent ISL is within tol of 142K x scale."""
     target = TARGETS["isl_median"] * params.scale
     lo, hi = 0.05, 20.0
     cur = params

@@ -1,6 +1,6 @@
 """Weka-format traces (real captures or `tracegen` output) read into session trees the replayer walks.
 
-Format (spec AGENTX_AND_ENGINE.md §1.2): one trace per JSON line, `{id, block_size, tool_tokens, system_tokens,
+Format (the Weka trace format AgentX replays): one trace per JSON line, `{id, block_size, tool_tokens, system_tokens,
 requests: [...]}` where a request is `{type: "n", t, in, out, hash_ids, think_time, api_time, ...}` or a
 `{type: "subagent", agent_id, requests: [...]}` entry (nested, possibly recursively). A `.json` file holding
 one trace or a list of traces loads too.
