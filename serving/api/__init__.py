@@ -13,9 +13,9 @@
 | `metrics` | server-level Prometheus metrics |
 | `context` | what the front ends share (client, tokenizer, limits, model info) |
 | `server` | assembly and lifecycle (start, graceful shutdown) |
-| `testing` | in-process and subprocess server harnesses |
 
-Start a server with `python -m serving.run` (see docs/SERVING.md).
+Start a server with `python -m serving.run` (see docs/SERVING.md), or as a subprocess that is waited for with
+`serving.spawn.spawn_server`; the tests' in-process servers are in tests/harness.py.
 """
 
 from serving.api.server import ApiServer, ServerConfig, serve
