@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NUM_SMS = 132  # H200
+DECODES = ("bf16x2", "convert")  # FP8 decoders (kernel.py)
 TARGET_PROGRAMS = 2 * NUM_SMS
 
 
@@ -26,6 +27,8 @@ class GemmBlock:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    decode: str = "bf16x2"
+    swap: bool = False
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:

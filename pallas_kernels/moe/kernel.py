@@ -205,9 +205,9 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
         layer = layer_ref[0]
         g = _accumulate(x_ref, w1_ref, s1_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
         u = _accumulate(x_ref, w3_ref, s3_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
-        if len(o_ref.shape) == 4:  # split K: f32 partials, the wrapper finishes
-            plt.store(o_ref.at[sp, 0, pl.ds(r0, bm), pl.ds(n0, bn)], g, mask=rmask)
-            plt.store(o_ref.at[sp, 1, pl.ds(r0, bm), pl.ds(n0, bn)], u, mask=rmask)
+        if len(o_ref.shape) == 3:  # split K: f32 partials [2 * split + (0: g, 1: u)], the wrapper finishes
+            plt.store(o_ref.at[2 * sp, pl.ds(r0, bm), pl.ds(n0, bn)], g, mask=rmask)
+            plt.store(o_ref.at[2 * sp + 1, pl.ds(r0, bm), pl.ds(n0, bn)], u, mask=rmask)
             return
         rw = plt.load(rw_ref.at[pl.ds(r0, bm)], mask=rmask[:, 0], other=0.0)
         h = swiglu_rows(g, u, rw[:, None], limit, dtype)
@@ -260,7 +260,7 @@ def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBl
     _, E, N, _ = w1.shape
     n_items, meta = _meta(group_sizes, M, E, blk)
     S = blk.splits
-    out = jnp.zeros((S, 2, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
+    out = jnp.zeros((2 * S, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
     args = [layer, meta, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
     y = _call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
                                 interpret=interpret),
@@ -268,7 +268,7 @@ def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBl
               "moe_swiglu_mxfp4")
     if S == 1:
         return y
-    gu = jnp.sum(y, axis=0)
+    gu = jnp.sum(y.reshape(S, 2, M, N), axis=0)
     return swiglu_rows(gu[0], gu[1], route_w.astype(F32)[:, None], limit, dtype).astype(dtype)
 
 
