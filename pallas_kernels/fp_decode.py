@@ -1,26 +1,27 @@
 """In-register decoders of the official weight formats straight to scaled bf16, for the weight GEMM kernels.
 
 Both decoders take a tile of weight bytes plus a bf16 tile holding each element's block scale (broadcast), and
-return bf16 tiles with value = decoded weight * block scale, exactly (every product below is a power of two
-times a value of <= 4 significant bits). On the GPU they are one `plt.elementwise_inline_asm` each, working on
-32-bit registers (4 bytes per instance); in interpret mode (CPU) they are plain jnp arithmetic (XLA:CPU flushes
-bf16/f32 subnormals, which the bit tricks below produce on purpose, so the CPU path decodes by value).
+return bf16 tiles with value = decoded weight * block scale, exactly (every product below is a power of two times a
+value of <= 4 significant bits). On the GPU they are one `plt.elementwise_inline_asm` each, working on 32-bit
+registers (4 bytes per instance); in interpret mode (CPU) they are plain jnp arithmetic (XLA:CPU flushes bf16/f32
+subnormals, which the bit tricks below produce on purpose, so the CPU path decodes by value).
 
-MXFP4 (E2M1, two codes per byte), `e2m1_planes`: a 32-bit word holds 8 codes (nibble q = bits 4q..4q+3).
-A nibble's sign goes to bf16 bit 15 and its e1 e0 m bits to bf16 bits 8..6, so the bf16 value is
-e2m1 * 2^-126 for normal and subnormal codes alike; a `fma.rn.bf16x2` by 2^(s-9) (scale code s) then gives
-w * 2^-8 = e2m1 * 2^(s-135) (the 2^-8 keeps every multiplier inside bf16's range for the codes real weights
-have; the kernel multiplies its f32 sums by 2^8). Two lanes per register, 4 shifts/masks + 1 fma per 2 values. The 8 nibbles of a word leave
-in two "planes" of 4 elements each: lo = nibbles WORD_LO = (3, 7, 2, 6), hi = nibbles WORD_HI = (1, 5, 0, 4),
-so the decoded tiles are a fixed permutation of the weight's k order: the GEMM either permutes x's columns the
-same way (`official_k_order`, the checkpoint's bytes as they are) or reads bytes re-laid out once so that the
-planes come out in k order (`tiled_k_order`; checkpoints/kernel_layout.py converts).
+MXFP4 (E2M1, two codes per byte), `e2m1_planes`: a 32-bit word holds 8 codes (nibble q = bits 4q..4q+3). A nibble's
+sign goes to bf16 bit 15 and its e1 e0 m bits to bf16 bits 8..6, so the bf16 value is e2m1 * 2^-126 for normal and
+subnormal codes alike; a `fma.rn.bf16x2` by 2^(s-9) (scale code s) then gives w * 2^-8 = e2m1 * 2^(s-135) (the 2^-8
+keeps every multiplier inside bf16's range for the codes real weights have; the kernel multiplies its f32 sums by
+2^8). Two lanes per register, 4 shifts/masks + 1 fma per 2 values. The 8 nibbles of a word leave in two "planes" of
+4 elements each: lo = nibbles WORD_LO = (3, 7, 2, 6), hi = nibbles WORD_HI = (1, 5, 0, 4), so the decoded tiles are
+a fixed permutation of the weight's k order: the GEMM either permutes x's columns the same way (`official_k_order`,
+the checkpoint's bytes as they are) or reads bytes re-laid out once so that the planes come out in k order
+(`tiled_k_order`; checkpoints/kernel_layout.py converts).
 
 FP8 (E4M3), `e4m3_scaled`: prmt spreads 2 bytes into the high bytes of two bf16 lanes; sign stays at bit 15 and
 e3..e0 m2..m0 shift to bits 10..4: value = e4m3 * 2^-120 (subnormals too); fma by 2^(s-7).
 
-Scale domains (the UE8M0 code s of the block): MXFP4 is exact for 7 <= s <= 136 and FP8 for s <= 134; a larger
-code gives inf (never silently a wrong finite value); MXFP4 codes below 7 (|w| < 2^-121) may flush to 0. E4M3 NaN bytes (0x7f / 0xff) decode to finite values.
+Scale domains (the UE8M0 code s of the block): MXFP4 is exact for 7 <= s <= 136 and FP8 for s <= 134; a larger code
+gives inf (never silently a wrong finite value); MXFP4 codes below 7 (|w| < 2^-121) may flush to 0. E4M3 NaN bytes
+(0x7f / 0xff) decode to finite values.
 """
 
 from __future__ import annotations

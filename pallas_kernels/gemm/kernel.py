@@ -2,24 +2,25 @@
 
     matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None) -> [M, N] f32
 
-Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype
-float8_e8m0fnu or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and
-the `layer` (an int32 scalar, may be traced) is read inside the kernel, so no per-layer slice is ever copied.
+Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype float8_e8m0fnu
+or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and the `layer` (an int32
+scalar, may be traced) is read inside the kernel, so no per-layer slice is ever copied.
 
-Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn, bk] weight tiles of one
-layer over its K range, decodes FP8 tiles to bf16 in registers (decode "bf16x2": pallas_kernels.fp_decode's
-inline-asm bit decode with the tile's power-of-two scale folded in; "convert": e4m3 -> bf16 convert times the
-scale; both exact) and accumulates `plt.dot` in f32 (swap: the weight tile is the dot's M operand). K splits write f32 partials [S, Mp, N] that the
-wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x load and
-land in padded f32 output rows that the wrapper slices off (jax 0.11.2's Triton lowering does not mask a block
-that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-first.
+Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn, bk] weight tiles of one layer over
+its K range, decodes FP8 tiles to bf16 in registers (decode "bf16x2": pallas_kernels.fp_decode's inline-asm bit
+decode with the tile's power-of-two scale folded in; "convert": e4m3 -> bf16 convert times the scale; both exact)
+and accumulates `plt.dot` in f32 (swap: the weight tile is the dot's M operand). K splits write f32 partials [S, Mp,
+N] that the wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x
+load and land in padded f32 output rows that the wrapper slices off (jax 0.11.2's Triton lowering does not mask a
+block that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-
+first.
 
 Numerics contract: every product is exact (bf16 x bf16, or bf16 x e4m3 * 2^k, both exactly representable) and
-accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch:
-dequantize, then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
+accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch: dequantize,
+then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
 
-Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need
-the 64-bit offset fix of pallas_kernels.common.
+Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need the
+64-bit offset fix of pallas_kernels.common.
 """
 
 from __future__ import annotations
