@@ -138,14 +138,14 @@ def moe_variants(M: int, N: int, K: int, quick: bool):
     if quick:
         return out
     bm = base.bm
-    for bn, bk, w, st, sw in ((64, 256, 4, 3, False), (64, 256, 4, 4, True), (128, 256, 8, 3, True),
+    for bn, bk, w, st, s1 in ((64, 256, 4, 3, False), (64, 256, 4, 4, False), (128, 256, 8, 3, False),
                               (64, 512, 4, 3, False), (32, 256, 4, 4, False), (128, 256, 4, 3, True),
-                              (64, 128, 4, 5, False)):
+                              (64, 128, 4, 5, False), (64, 256, 8, 4, True)):
         if N % bn or K % bk:
             continue
         blk = pick_moe_block(M, N, K, fp4=True, active=min(M, E), bn=bn, bk=bk, num_warps=w, num_stages=st)
-        out.append((f"bn{bn}-bk{bk}-w{w}-s{st}-S{blk.splits}{'-swap' if sw else ''}",
-                    MoeBlock(bm, bn, bk, w, st, blk.splits, swap=sw)))
+        S = 1 if s1 else blk.splits
+        out.append((f"bn{bn}-bk{bk}-w{w}-s{st}-S{S}", MoeBlock(bm, bn, bk, w, st, S)))
     return out
 
 
@@ -154,10 +154,9 @@ def swiglu_variants(M: int, quick: bool):
     out = [("fused-default", base)]
     if quick:
         return out
-    for bn, bk, w, st, S, sw in ((32, 256, 4, 3, 1, False), (64, 256, 4, 3, 2, False), (32, 256, 4, 3, 4, True),
-                                 (64, 256, 8, 3, 1, True), (16, 256, 4, 4, 1, True), (32, 512, 4, 3, 1, False)):
-        out.append((f"fused-bn{bn}-bk{bk}-w{w}-s{st}-S{S}{'-swap' if sw else ''}",
-                    MoeBlock(base.bm, bn, bk, w, st, S, swap=sw)))
+    for bn, bk, w, st, S in ((32, 256, 4, 3, 1), (64, 256, 4, 3, 2), (32, 256, 4, 3, 4), (64, 256, 8, 3, 1),
+                             (16, 256, 4, 4, 1), (32, 512, 4, 3, 1), (64, 256, 4, 4, 1)):
+        out.append((f"fused-bn{bn}-bk{bk}-w{w}-s{st}-S{S}", MoeBlock(base.bm, bn, bk, w, st, S)))
     return out
 
 
@@ -284,12 +283,12 @@ def smoke():
     x = qdq_rows(k[2], 40, kk)
     rw = jax.random.uniform(k[3], (40,), jnp.float32, 0.1, 1.0)
     ref = grouped_matmul(x, p, gs, scale=s, layer=1, implementation="xla")
-    for blk in (None, MoeBlock(16, 64, 256, splits=2), MoeBlock(16, 64, 256, swap=True)):
+    for blk in (None, MoeBlock(16, 64, 256, splits=2), MoeBlock(16, 32, 128, 8, 4)):
         err = rel_err(grouped_matmul(x, p, gs, scale=s, layer=1, block=blk), ref)
         ok &= err < 1e-5
         print(f"smoke grouped_matmul {blk}: rel_err {err:.2e}", flush=True)
     refh = grouped_swiglu(x, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, implementation="xla")
-    for blk in (None, MoeBlock(16, 64, 256, splits=2, swap=True)):
+    for blk in (None, MoeBlock(16, 64, 256, splits=2)):
         err = rel_err(grouped_swiglu(x, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, block=blk), refh)
         ok &= err < 2 ** -7
         print(f"smoke grouped_swiglu {blk}: rel_err {err:.2e}", flush=True)

@@ -7,8 +7,9 @@ tile is [bn, bk/2] bytes); for MXFP4 it is also the unit of the decoded planes' 
 `tiled` weight must have been laid out for this bk (checkpoints/kernel_layout.py).
 
 Invariants of a MoeBlock for (N, K): bm, bn powers of two >= 16; bk a power of two, bk * splits | K, bk >= 64 for
-MXFP4 (>= 128 tiled); bn | N; decode "bf16x2" (fp_decode) or "e4m3" (the first decoder, official layout only,
-no swap); swap: the weight tile is the dot's M operand (acc [bn, bm]).
+MXFP4 (>= 128 tiled); bn | N; decode "bf16x2" (fp_decode) or "e4m3" (the first decoder, official layout only).
+(A swapped dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
+Triton 3.6 while passing in interpret mode; it is not offered.)
 TUNED holds the H200 choices measured by bench/weight_gemms.py (docs/BENCHMARKS.md, pallas_kernels/moe/NOTES.md).
 """
 
@@ -32,7 +33,6 @@ class MoeBlock:
     splits: int = 1
     layout: str = "official"
     decode: str = "bf16x2"
-    swap: bool = False
 
 
 def _splits(programs: int, ksteps: int, target: int) -> int:

@@ -138,14 +138,14 @@ def _legacy_fp4_dot(acc, x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, kk, blk: 
     return acc + plt.dot(xo, w_hi.astype(BF16) * s, trans_b=True)
 
 
-def _dot(acc, xt, wt, swap: bool):
-    """acc [bm, bn] (or [bn, bm] when swap: the weight is the dot's M operand) += xt [bm, k] . wt [bn, k]^T."""
-    return acc + (plt.dot(wt, xt, trans_b=True) if swap else plt.dot(xt, wt, trans_b=True))
+def _dot(acc, xt, wt):
+    """acc [bm, bn] += xt [bm, k] . wt [bn, k]^T."""
+    return acc + plt.dot(xt, wt, trans_b=True)
 
 
 def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk: MoeBlock, fp4: bool,
                 interpret: bool):
-    """f32 sum over k tiles [k_lo, k_lo + ksteps) of x[rows] . dequant(w[e, n tile])^T: [bm, bn] (swap: [bn, bm])."""
+    """f32 sum over k tiles [k_lo, k_lo + ksteps) of x[rows] . dequant(w[e, n tile])^T: [bm, bn]."""
     bm, bn, bk = blk.bm, blk.bn, blk.bk
 
     def body(t, acc):
@@ -157,17 +157,16 @@ def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk:
             k0 = pl.multiple_of(kk * bk, bk)
             x_lo = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk // 2)], mask=rmask, other=0.0)
             x_hi = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0 + bk // 2, bk // 2)], mask=rmask, other=0.0)
-            return _dot(_dot(acc, x_lo, lo, blk.swap), x_hi, hi, blk.swap)
+            return _dot(_dot(acc, x_lo, lo), x_hi, hi)
         k0 = pl.multiple_of(kk * bk, bk)
         xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
         wt = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(k0, bk)], eviction_policy="evict_first")
-        return _dot(acc, xt, wt, blk.swap)
+        return _dot(acc, xt, wt)
 
-    shape = (bn, bm) if blk.swap else (bm, bn)
-    acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros(shape, F32))
+    acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bm, bn), F32))
     if fp4 and blk.decode != "e4m3":
         acc = acc * jnp.float32(2.0 ** FP4_ACC_LOG2)  # the planes hold w * 2^-8
-    return acc.T if blk.swap else acc
+    return acc
 
 
 def _item(meta_ref, blk: MoeBlock):
@@ -289,8 +288,8 @@ def check_moe_block(blk: MoeBlock, N: int, K: int, fp4: bool):
         raise ValueError(f"block {blk} does not tile N={N}, K={K} (fp4={fp4})")
     if blk.layout not in LAYOUTS or blk.decode not in DECODES or (blk.layout == "tiled" and blk.bk < 128):
         raise ValueError(f"block {blk}: layout in {LAYOUTS} (tiled: bk >= 128), decode in {DECODES}")
-    if blk.decode == "e4m3" and (blk.swap or blk.layout != "official"):
-        raise ValueError(f"block {blk}: the e4m3 decoder reads the official layout without swap")
+    if blk.decode == "e4m3" and blk.layout != "official":
+        raise ValueError(f"block {blk}: the e4m3 decoder reads the official layout")
 
 
 def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False):
