@@ -161,56 +161,67 @@ def swiglu_variants(M: int, quick: bool):
 
 
 def bench_moe(args, rows):
+    """Weights travel as jit arguments (closing over them would embed GBs of constants in the program)."""
     keys = jax.random.split(jax.random.key(0), 4)
     w1, s1 = fp4_weights(keys[0], INTER, D)
     w3, s3 = fp4_weights(keys[1], INTER, D)
     w2, s2 = fp4_weights(keys[2], D, INTER)
-    jax.block_until_ready((w1, w3, w2))
-    per_expert13 = INTER * D // 2 + INTER * D // 32
+    W = jax.block_until_ready((w1, s1, w3, s3, w2, s2))
+    per_expert = INTER * D // 2 + INTER * D // 32  # w1, w3 and w2 alike
+
+    def gm(which, blk=None, impl="pallas"):
+        def f(x, g, rw, W):
+            w, s = (W[0], W[1]) if which == "w1" else (W[4], W[5])
+            return grouped_matmul(x, w, g, scale=s, block=blk, implementation=impl)
+        return f
+
+    def sw(blk=None, impl="pallas"):
+        def f(x, g, rw, W):
+            return grouped_swiglu(x, W[0], W[2], g, rw, scale1=W[1], scale3=W[3], limit=10.0, block=blk,
+                                  implementation=impl)
+        return f
+
+    def two_calls(blk):  # the current kernel twice + the activation in XLA (today's model path)
+        def f(x, g, rw, W):
+            g1 = grouped_matmul(x, W[0], g, scale=W[1], block=blk).astype(jnp.bfloat16).astype(jnp.float32)
+            u = grouped_matmul(x, W[2], g, scale=W[3], block=blk).astype(jnp.bfloat16).astype(jnp.float32)
+            return (jax.nn.silu(g1) * jnp.clip(u, -10, 10) * rw[:, None]).astype(jnp.bfloat16)
+        return f
+
     for M in MOE_MS:
         gss = [jnp.asarray(routing_sizes(M, r)) for r in range(ROUTINGS)]
         active = float(np.mean([(np.asarray(g) > 0).sum() for g in gss]))
-        x13 = qdq_rows(keys[3], M, D)
-        x2 = qdq_rows(keys[3], M, INTER)
+        x13, x2 = qdq_rows(keys[3], M, D), qdq_rows(keys[3], M, INTER)
         rw = jax.random.uniform(keys[3], (M,), jnp.float32, 0.05, 1.0)
-        b13, b2 = active * per_expert13, active * per_expert13  # w2 has the same bytes per expert
-        ref1 = jax.jit(lambda x, g: grouped_matmul(x, w1, g, scale=s1, implementation="xla"))(x13, gss[0])
-        ref2 = jax.jit(lambda x, g: grouped_matmul(x, w2, g, scale=s2, implementation="xla"))(x2, gss[0])
-        refh = jax.jit(lambda x, g: grouped_swiglu(x, w1, w3, g, rw, scale1=s1, scale3=s3, limit=10.0,
-                                                   implementation="xla"))(x13, gss[0])
+        b1 = active * per_expert
+        refs = {"w1": jax.jit(gm("w1", impl="xla"))(x13, gss[0], rw, W),
+                "w2": jax.jit(gm("w2", impl="xla"))(x2, gss[0], rw, W),
+                "w13+swiglu": jax.jit(sw(impl="xla"))(x13, gss[0], rw, W)}
+        quick = M not in args.sweep_moe
         cases = []
         if M in (6, 48):
-            cases.append(("w1", "xla", None, lambda x, g: grouped_matmul(x, w1, g, scale=s1, implementation="xla"),
-                          x13, ref1, b13))
-        quick = M not in args.sweep_moe
+            cases.append(("w1", "xla", None, gm("w1", impl="xla"), x13, b1))
         for name, blk in moe_variants(M, INTER, D, quick):
-            cases.append(("w1", name, blk, lambda x, g, blk=blk: grouped_matmul(x, w1, g, scale=s1, block=blk),
-                          x13, ref1, b13))
+            cases.append(("w1", name, blk, gm("w1", blk), x13, b1))
         for name, blk in moe_variants(M, D, INTER, quick):
-            cases.append(("w2", name, blk, lambda x, g, blk=blk: grouped_matmul(x, w2, g, scale=s2, block=blk),
-                          x2, ref2, b2))
+            cases.append(("w2", name, blk, gm("w2", blk), x2, b1))
         cur13 = [b for n, b in moe_variants(M, INTER, D, True) if n == "current"][0]
-        cases.append(("w13+swiglu", "current x2 + xla swiglu", cur13, lambda x, g: jax.nn.silu(
-            grouped_matmul(x, w1, g, scale=s1, block=cur13).astype(jnp.bfloat16).astype(jnp.float32)) * jnp.clip(
-            grouped_matmul(x, w3, g, scale=s3, block=cur13).astype(jnp.bfloat16).astype(jnp.float32), -10, 10)
-            * rw[:, None], x13, None, 2 * b13))
+        cases.append(("w13+swiglu", "current x2 + xla swiglu", cur13, two_calls(cur13), x13, 2 * b1))
         for name, blk in swiglu_variants(M, quick):
-            cases.append(("w13+swiglu", name, blk, lambda x, g, blk=blk: grouped_swiglu(
-                x, w1, w3, g, rw, scale1=s1, scale3=s3, limit=10.0, block=blk), x13, refh, 2 * b13))
-        for mat, name, blk, f, x, ref, nbytes in cases:
+            cases.append(("w13+swiglu", name, blk, sw(blk), x13, 2 * b1))
+        for mat, name, blk, f, x, nbytes in cases:
             row = {"kind": "moe", "matrix": mat, "M": M, "variant": name, "block": repr(blk), "bytes": nbytes,
                    "active_experts": active}
             try:
                 fj = jax.jit(f)
-                if ref is not None:
-                    row["rel_err"] = rel_err(fj(x, gss[0]), ref)
-                row.update(time_calls(fj, [(x, g) for g in gss], args.iters if name != "xla" else 4))
+                row["rel_err"] = rel_err(fj(x, gss[0], rw, W), refs[mat])
+                row.update(time_calls(fj, [(x, g, rw, W) for g in gss], 4 if name == "xla" else args.iters))
                 row["gbs"] = nbytes / row["dev_us"] / 1e3
             except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the others still run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 traceback.print_exc()
             _emit(rows, row)
-        del ref1, ref2, refh
+        del refs
 
 
 # ----------------------------------------------------------------------------- dense
@@ -250,17 +261,17 @@ def bench_dense(args, rows):
         for M in DENSE_MS if fp8 else (1, 8):
             x = qdq_rows(k2, M, K)
             layers = [jnp.int32(i) for i in range(L)]
-            ref = jax.jit(lambda x, l: matmul(x, q, scale=s, layer=l, implementation="xla"))(x, layers[0])
+            ref = jax.jit(lambda x, l, q, s: matmul(x, q, scale=s, layer=l, implementation="xla"))(x, layers[0], q, s)
             variants = [("xla", None)] + dense_variants(M, N, K, fp8, M not in args.sweep_dense)
             for vname, blk in variants:
                 row = {"kind": "dense", "matrix": name, "M": M, "variant": vname, "block": repr(blk),
                        "bytes": nbytes}
                 try:
                     impl = "xla" if blk is None else "pallas"
-                    fj = jax.jit(lambda x, l, blk=blk, impl=impl: matmul(x, q, scale=s, layer=l, block=blk,
-                                                                       implementation=impl))
-                    row["rel_err"] = rel_err(fj(x, layers[0]), ref)
-                    row.update(time_calls(fj, [(x, lyr) for lyr in layers], args.iters))
+                    fj = jax.jit(lambda x, l, q, s, blk=blk, impl=impl: matmul(x, q, scale=s, layer=l, block=blk,
+                                                                             implementation=impl))
+                    row["rel_err"] = rel_err(fj(x, layers[0], q, s), ref)
+                    row.update(time_calls(fj, [(x, lyr, q, s) for lyr in layers], args.iters))
                     row["gbs"] = nbytes / row["dev_us"] / 1e3
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
