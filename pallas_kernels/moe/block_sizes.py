@@ -10,10 +10,11 @@ Invariants of a MoeBlock for (N, K): bm, bn powers of two >= 16; bk a power of t
 MXFP4 (>= 128 tiled); bn | N; decode "bf16x2" (fp_decode) or "e4m3" (the first decoder, official layout only).
 (A swapped dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
 Triton 3.6 while passing in interpret mode; it is not offered.)
-Measured on the H200 (bench/weight_gemms.py, bench/results/weight_gemms_h200.json, NOTES.md beside this file):
-at M = 6 rows the defaults below were the fastest of the swept blocks for w1 (bm 16, bn 64, bk 256, 4 warps,
-3 stages, 2 K splits: 33.3 us), w2 (bn 64, bk 256, no split: 29.2 and 28.9 us, the same block timed twice) and the fused w1/w3 (bn 64, bk 256, no split: 53.4 us); bn 16 or 32, bk 128 or 512, 8 warps and 4-5
-stages were all slower. Other M use the same rules (not swept).
+Measured on the H200 (bench/weight_gemms.py, bench/results/weight_gemms_h200.json, NOTES.md beside this file): at M
+= 6 rows the defaults below were the fastest of the swept blocks for w1 (bm 16, bn 64, bk 256, 4 warps, 3 stages, 2
+K splits: 33.3 us), w2 (bn 64, bk 256, no split: 29.2 and 28.9 us, the same block timed twice) and the fused w1/w3
+(bn 64, bk 256, no split: 53.4 us); bn 16 or 32, bk 128 or 512, 8 warps and 4-5 stages were all slower. Other M use
+the same rules (not swept).
 """
 
 from __future__ import annotations

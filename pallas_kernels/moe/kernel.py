@@ -1,26 +1,36 @@
-"""Active-experts-only grouped GEMM for the routed MoE: y[rows of expert g] = x[rows] @ dequant(w[g])^T, f32.
+"""Active-experts-only grouped GEMMs for the routed MoE: y[rows of expert g] = x[rows] @ dequant(w[g])^T.
 
     grouped_matmul(x [M, K] bf16, w, group_sizes [E] int32, *, scale=None, layer=None) -> [M, N] f32
+    grouped_swiglu(x, w1, w3, group_sizes, route_w [M], *, scale1, scale3, layer=None, limit=0., dtype=bf16)
+        -> h [M, N] dtype = silu(g) * u * route_w (g, u = the two GEMMs, rounded to dtype first; MXFP4 only)
 
 x rows are sorted by expert: group g is the next group_sizes[g] rows; rows past sum(group_sizes) are padding
 (their output rows are 0 here). Weights: bf16 [(L,) E, N, K], or MXFP4: packed uint8 [(L,) E, N, K/2] (two
-E2M1 codes per byte, low nibble = even k) with E8M0 `scale` [(L,) E, N, K/32] (float8_e8m0fnu or uint8).
+E2M1 codes per byte, low nibble = even k: the checkpoint's layout, or `tiled` for MoeBlock.layout="tiled",
+checkpoints/kernel_layout.py) with E8M0 `scale` [(L,) E, N, K/32] (float8_e8m0fnu or uint8).
 A stacked weight is passed whole; `layer` (int32 scalar, may be traced) is read inside the kernel.
 
 Work list: `tile_metadata` (jnp, from group_sizes) lists the (expert, row tile) pairs of the *active* experts,
-padded to a static length with empty entries. Grid = (work item, N tile); a program of an empty entry exits
-before touching any weight, so only the active experts' weights are read and the cost scales with them. A row
-tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's range
-are masked at the x loads and at the store); each output row is stored by exactly one program per N tile, into
-a zero-initialised aliased buffer. Weight tiles are loaded evict-first (streamed once).
+padded to a static length with empty entries. Grid = (work item, N tile, K split); a program of an empty entry
+exits before touching any weight, so only the active experts' weights are read and the cost scales with them.
+A row tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's
+range are masked at the x loads and at the store); each output row is stored by exactly one program per
+(N tile, split), into a zero-initialised aliased buffer; split partials [S, M, N] are summed by the wrapper
+(grouped_swiglu with splits: g / u partials, the activation then runs in the wrapper). Weight tiles are loaded
+evict-first (streamed once). grouped_swiglu streams the w1 and w3 tiles of one (expert, N tile) in one program.
 
-MXFP4 decode in registers, without FP4 types: a code c = (s, e1, e0, m) re-placed as the e4m3 byte
-s<<7 | e1 e0 m <<2 has the value e2m1(c) / 64 (normal and subnormal codes alike), so the tile is
-bitcast(bytes -> e4m3) -> bf16 times 2^(scale - 121) (exact). The two nibble planes dot the even / odd
-columns of the x tile (de-interleaved in registers with a split): y = x_even . w_lo^T + x_odd . w_hi^T.
+MXFP4 decode (MoeBlock.decode "bf16x2", pallas_kernels.fp_decode): each 32-bit word of packed bytes becomes two
+planes of 4 bf16 values with the block scale folded in (w * 2^-8; the f32 sums are multiplied by 2^8), one
+inline-asm pass per plane. The planes come out in a fixed k order per tile: for the official layout the wrapper
+permutes x's columns to match (`permute_k`), and the x tile halves dot the lo / hi planes: y = x_lo . lo^T +
+x_hi . hi^T. decode "e4m3" is the first decoder (nibbles re-placed as e4m3 bytes, converted and scaled, x split
+into even / odd columns), kept as the benchmark baseline.
 
-Numerics contract: products exact, f32 accumulation; only the summation order differs from `ref_grouped_matmul`
-(the "xla" branch: dequantize all experts, `lax.ragged_dot_general`): |y - ref| <= ~1e-5 * sum_k |x_k w_k|.
+Numerics contract (grouped_matmul): products exact, f32 accumulation; only the summation order differs from
+`ref_grouped_matmul` (the "xla" branch: dequantize all experts, `lax.ragged_dot_general`):
+|y - ref| <= ~1e-5 * sum_k |x_k w_k|, for scale codes 7..136 (fp_decode's domain; larger codes give inf).
+grouped_swiglu: h within one `dtype` rounding of `ref_grouped_swiglu` (the GEMMs' summation order and the
+compiled exp may move g, u or h across a rounding boundary).
 """
 
 from __future__ import annotations
