@@ -80,8 +80,13 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
         w, s, layer = _view(p[name])
         return moe_gemm.grouped_matmul(a, w, sizes, scale=s, layer=layer).astype(dt)
 
-    h = layers.swiglu(cfg, gdot(xs, "w1"), gdot(xs, "w3")) * weights.reshape(-1)[order][:, None]
-    h = h.astype(dt)
+    rw = weights.reshape(-1)[order]
+    (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
+    if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel
+        h = moe_gemm.grouped_swiglu(xs, w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
+                                    limit=cfg.swiglu_limit, dtype=dt)
+    else:
+        h = (layers.swiglu(cfg, gdot(xs, "w1"), gdot(xs, "w3")) * rw[:, None]).astype(dt)
     if quantized:
         h = quant.fp8_qdq(h, 32)
     return jnp.zeros((N, D), F32).at[tok].add(gdot(h, "w2").astype(F32))

@@ -7,7 +7,8 @@ reduction). Large M (prefill) uses larger M tiles and no split.
 
 Invariants of a GemmBlock for a problem (M, N, K): bm, bn, bk are powers of two >= 16 (Triton load shapes and
 `plt.dot` dims), bn | N, bk | K, splits | K / bk, and bn, bk multiples of 32 for FP8 (one scale per 32x32 tile).
-These numbers are heuristics to be tuned on the H200 (bench/kernels/gemm.py --sweep).
+These numbers are heuristics: the H200 run of bench/weight_gemms.py (bench/results/weight_gemms_h200.json,
+pallas_kernels/moe/NOTES.md) measured them at the full model's FP8 shapes, M = 1, 8, 64, without a block sweep.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NUM_SMS = 132  # H200
+DECODES = ("bf16x2", "convert")  # FP8 decoders (kernel.py)
 TARGET_PROGRAMS = 2 * NUM_SMS
 
 
@@ -26,6 +28,8 @@ class GemmBlock:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    decode: str = "bf16x2"
+    swap: bool = False
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:

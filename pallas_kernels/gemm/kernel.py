@@ -2,23 +2,25 @@
 
     matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None) -> [M, N] f32
 
-Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype
-float8_e8m0fnu or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and
-the `layer` (an int32 scalar, may be traced) is read inside the kernel, so no per-layer slice is ever copied.
+Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype float8_e8m0fnu
+or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and the `layer` (an int32
+scalar, may be traced) is read inside the kernel, so no per-layer slice is ever copied.
 
-Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn, bk] weight tiles of one
-layer over its K range, decodes FP8 tiles to bf16 in registers (e4m3 -> bf16 convert, times the tile's
-power-of-two scale, exact) and accumulates `plt.dot` in f32. K splits write f32 partials [S, Mp, N] that the
-wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x load and
-land in padded f32 output rows that the wrapper slices off (jax 0.11.2's Triton lowering does not mask a block
-that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-first.
+Kernel (Pallas Triton): grid (M tiles, N tiles, K splits); a program streams [bn, bk] weight tiles of one layer over
+its K range, decodes FP8 tiles to bf16 in registers (decode "bf16x2": pallas_kernels.fp_decode's inline-asm bit
+decode with the tile's power-of-two scale folded in; "convert": e4m3 -> bf16 convert times the scale; both exact)
+and accumulates `plt.dot` in f32 (swap: the weight tile is the dot's M operand). K splits write f32 partials [S, Mp,
+N] that the wrapper sums. The M tile (>= 16, the dot minimum) may overhang x: rows past M are masked off at the x
+load and land in padded f32 output rows that the wrapper slices off (jax 0.11.2's Triton lowering does not mask a
+block that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-
+first.
 
 Numerics contract: every product is exact (bf16 x bf16, or bf16 x e4m3 * 2^k, both exactly representable) and
-accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch:
-dequantize, then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
+accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch: dequantize,
+then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
 
-Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need
-the 64-bit offset fix of pallas_kernels.common.
+Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need the
+64-bit offset fix of pallas_kernels.common.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default  # noqa: F401
-from pallas_kernels.gemm.block_sizes import GemmBlock, pick_gemm_block
+from pallas_kernels.fp_decode import e4m3_scaled, fp8_scale_bf16
+from pallas_kernels.gemm.block_sizes import DECODES, GemmBlock, pick_gemm_block
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -86,7 +89,8 @@ def ref_matmul(x, w, *, scale=None, layer=None):
 
 
 # ----------------------------------------------------------------------------- kernel
-def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8: bool, m_rows: int):
+def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8: bool, m_rows: int,
+               interpret: bool):
     s_ref, o_ref = rest if fp8 else (None, rest[0])
     bm, bn, bk = blk.bm, blk.bn, blk.bk
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -103,10 +107,14 @@ def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8:
         if fp8:
             kb0 = s * (ksteps * bk // 32) + t * (bk // 32)  # k0 / 32 without a signed division
             codes = s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb0, bk // 32)]
-            wt = dequant_fp8_tile(wt, codes)
-        return acc + plt.dot(xt, wt, trans_b=True)
+            if blk.decode == "bf16x2":  # fp_decode: bytes -> scaled bf16 in one inline-asm pass
+                wt = e4m3_scaled(wt, expand_tile_scale(fp8_scale_bf16(codes), bn, bk), interpret=interpret)
+            else:
+                wt = dequant_fp8_tile(wt, codes)
+        return acc + (plt.dot(wt, xt, trans_b=True) if blk.swap else plt.dot(xt, wt, trans_b=True))
 
-    o_ref[...] = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bm, bn), F32))
+    acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bn, bm) if blk.swap else (bm, bn), F32))
+    o_ref[...] = acc.T if blk.swap else acc
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
@@ -122,7 +130,7 @@ def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
     # the output is padded to whole M tiles: jax 0.11.2's Triton lowering does not mask a block that overhangs
     # the array, so an overhanging store would write past the rows (into the next split's partials)
     out = pl.pallas_call(
-        functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M),
+        functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((blk.splits, m_tiles * blk.bm, N), F32),
         grid=grid,
         in_specs=[anyspec] * len(args),
@@ -141,6 +149,8 @@ def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):
             raise ValueError(f"{name}={v} must be a power of two >= 16")
     if blk.bn < lo or blk.bk < lo or N % blk.bn or K % blk.bk or (K // blk.bk) % blk.splits:
         raise ValueError(f"block {blk} does not tile N={N}, K={K} (fp8={fp8})")
+    if blk.decode not in DECODES:
+        raise ValueError(f"block {blk}: decode must be one of {DECODES}")
 
 
 def matmul(x, w, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,

@@ -1,26 +1,36 @@
-"""Active-experts-only grouped GEMM for the routed MoE: y[rows of expert g] = x[rows] @ dequant(w[g])^T, f32.
+"""Active-experts-only grouped GEMMs for the routed MoE: y[rows of expert g] = x[rows] @ dequant(w[g])^T.
 
     grouped_matmul(x [M, K] bf16, w, group_sizes [E] int32, *, scale=None, layer=None) -> [M, N] f32
+    grouped_swiglu(x, w1, w3, group_sizes, route_w [M], *, scale1, scale3, layer=None, limit=0., dtype=bf16)
+        -> h [M, N] dtype = silu(g) * u * route_w (g, u = the two GEMMs, rounded to dtype first; MXFP4 only)
 
 x rows are sorted by expert: group g is the next group_sizes[g] rows; rows past sum(group_sizes) are padding
 (their output rows are 0 here). Weights: bf16 [(L,) E, N, K], or MXFP4: packed uint8 [(L,) E, N, K/2] (two
-E2M1 codes per byte, low nibble = even k) with E8M0 `scale` [(L,) E, N, K/32] (float8_e8m0fnu or uint8).
+E2M1 codes per byte, low nibble = even k: the checkpoint's layout, or `tiled` for MoeBlock.layout="tiled",
+checkpoints/kernel_layout.py) with E8M0 `scale` [(L,) E, N, K/32] (float8_e8m0fnu or uint8).
 A stacked weight is passed whole; `layer` (int32 scalar, may be traced) is read inside the kernel.
 
 Work list: `tile_metadata` (jnp, from group_sizes) lists the (expert, row tile) pairs of the *active* experts,
-padded to a static length with empty entries. Grid = (work item, N tile); a program of an empty entry exits
-before touching any weight, so only the active experts' weights are read and the cost scales with them. A row
-tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's range
-are masked at the x loads and at the store); each output row is stored by exactly one program per N tile, into
-a zero-initialised aliased buffer. Weight tiles are loaded evict-first (streamed once).
+padded to a static length with empty entries. Grid = (work item, N tile, K split); a program of an empty entry
+exits before touching any weight, so only the active experts' weights are read and the cost scales with them.
+A row tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's
+range are masked at the x loads and at the store); each output row is stored by exactly one program per
+(N tile, split), into a zero-initialised aliased buffer; split partials [S, M, N] are summed by the wrapper
+(grouped_swiglu with splits: g / u partials, the activation then runs in the wrapper). Weight tiles are loaded
+evict-first (streamed once). grouped_swiglu streams the w1 and w3 tiles of one (expert, N tile) in one program.
 
-MXFP4 decode in registers, without FP4 types: a code c = (s, e1, e0, m) re-placed as the e4m3 byte
-s<<7 | e1 e0 m <<2 has the value e2m1(c) / 64 (normal and subnormal codes alike), so the tile is
-bitcast(bytes -> e4m3) -> bf16 times 2^(scale - 121) (exact). The two nibble planes dot the even / odd
-columns of the x tile (de-interleaved in registers with a split): y = x_even . w_lo^T + x_odd . w_hi^T.
+MXFP4 decode (MoeBlock.decode "bf16x2", pallas_kernels.fp_decode): each 32-bit word of packed bytes becomes two
+planes of 4 bf16 values with the block scale folded in (w * 2^-8; the f32 sums are multiplied by 2^8), one
+inline-asm pass per plane. The planes come out in a fixed k order per tile: for the official layout the wrapper
+permutes x's columns to match (`permute_k`), and the x tile halves dot the lo / hi planes: y = x_lo . lo^T +
+x_hi . hi^T. decode "e4m3" is the first decoder (nibbles re-placed as e4m3 bytes, converted and scaled, x split
+into even / odd columns), kept as the benchmark baseline.
 
-Numerics contract: products exact, f32 accumulation; only the summation order differs from `ref_grouped_matmul`
-(the "xla" branch: dequantize all experts, `lax.ragged_dot_general`): |y - ref| <= ~1e-5 * sum_k |x_k w_k|.
+Numerics contract (grouped_matmul): products exact, f32 accumulation; only the summation order differs from
+`ref_grouped_matmul` (the "xla" branch: dequantize all experts, `lax.ragged_dot_general`):
+|y - ref| <= ~1e-5 * sum_k |x_k w_k|, for scale codes 7..136 (fp_decode's domain; larger codes give inf).
+grouped_swiglu: h within one `dtype` rounding of `ref_grouped_swiglu` (the GEMMs' summation order and the
+compiled exp may move g, u or h across a rounding boundary).
 """
 
 from __future__ import annotations
@@ -32,9 +42,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import fp_decode
 from pallas_kernels.common import check_offsets, interpret_default
-from pallas_kernels.gemm.kernel import IMPLEMENTATIONS, layer_array, scale_codes
-from pallas_kernels.moe.block_sizes import MoeBlock, pick_moe_block
+from pallas_kernels.fp_decode import FP4_ACC_LOG2, e2m1_planes, fp4_scale_bf16
+from pallas_kernels.gemm.kernel import IMPLEMENTATIONS, expand_tile_scale, layer_array, scale_codes
+from pallas_kernels.moe.block_sizes import DECODES, LAYOUTS, MoeBlock, pick_moe_block
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -103,43 +115,135 @@ def tile_metadata(group_sizes, M: int, bm: int, n_items: int):
 
 
 # ----------------------------------------------------------------------------- kernel
-def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, fp4: bool):
+def _fp4_planes(w_ref, s_ref, layer, e, n0, kk, blk: MoeBlock, interpret: bool):
+    """Decoded (lo, hi) bf16 planes [bn, bk/2] of k tile kk (fp_decode.e2m1_planes); their k order is the
+    layout's (official: x is permuted to match by the wrapper; tiled: lo = the tile's first half)."""
+    bn, bkp = blk.bn, blk.bk // 2
+    b = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(pl.multiple_of(kk * bkp, bkp), bkp)],
+                 eviction_policy="evict_first")
+    if blk.layout == "official":  # both planes of column j: block j // 16 of the tile
+        nb = blk.bk // 32
+        s = expand_tile_scale(fp4_scale_bf16(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kk * nb, nb)]), bn, bkp)
+        return e2m1_planes(b, s, s, interpret=interpret)
+    nb = blk.bk // 64  # tiled: lo plane column j = block j // 32, hi plane = nb blocks later
+    s_lo = expand_tile_scale(fp4_scale_bf16(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kk * 2 * nb, nb)]), bn, bkp)
+    s_hi = expand_tile_scale(fp4_scale_bf16(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kk * 2 * nb + nb, nb)]), bn, bkp)
+    return e2m1_planes(b, s_lo, s_hi, interpret=interpret)
+
+
+def _legacy_fp4_dot(acc, x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, kk, blk: MoeBlock):
+    """The first decoder (kept as the benchmark baseline, `decode="e4m3"`): nibbles re-placed as e4m3 bytes,
+    converted to bf16 and scaled in registers, x de-interleaved into even / odd columns."""
+    bm, bn, bkp = blk.bm, blk.bn, blk.bk // 2
+    k0 = pl.multiple_of(kk * bkp, bkp)
+    b = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(k0, bkp)], eviction_policy="evict_first")
+    sc = s_ref[layer, e, pl.ds(n0, bn), pl.ds(kk * (bkp // 16), bkp // 16)]
+    s = jax.lax.bitcast_convert_type((sc.astype(jnp.int32) + 6) << 23, F32).astype(BF16)
+    s = jnp.broadcast_to(s[:, :, None], (bn, bkp // 16, 16)).reshape(bn, bkp)
+    w_lo = jax.lax.bitcast_convert_type(((b & 7) << 2) | ((b & 8) << 4), jnp.float8_e4m3fn)
+    w_hi = jax.lax.bitcast_convert_type(((b >> 2) & 0x1C) | (b & 0x80), jnp.float8_e4m3fn)
+    xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(2 * k0, blk.bk)], mask=rmask, other=0.0)
+    xe, xo = (h.reshape(bm, bkp) for h in jax.lax.split(xt.reshape(bm, bkp, 2), (1, 1), axis=2))
+    acc = acc + plt.dot(xe, w_lo.astype(BF16) * s, trans_b=True)
+    return acc + plt.dot(xo, w_hi.astype(BF16) * s, trans_b=True)
+
+
+def _dot(acc, xt, wt):
+    """acc [bm, bn] += xt [bm, k] . wt [bn, k]^T."""
+    return acc + plt.dot(xt, wt, trans_b=True)
+
+
+def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk: MoeBlock, fp4: bool,
+                interpret: bool):
+    """f32 sum over k tiles [k_lo, k_lo + ksteps) of x[rows] . dequant(w[e, n tile])^T: [bm, bn]."""
+    bm, bn, bk = blk.bm, blk.bn, blk.bk
+
+    def body(t, acc):
+        kk = k_lo + t
+        if fp4 and blk.decode == "e4m3":
+            return _legacy_fp4_dot(acc, x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, kk, blk)
+        if fp4:
+            lo, hi = _fp4_planes(w_ref, s_ref, layer, e, n0, kk, blk, interpret)
+            k0 = pl.multiple_of(kk * bk, bk)
+            x_lo = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk // 2)], mask=rmask, other=0.0)
+            x_hi = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0 + bk // 2, bk // 2)], mask=rmask, other=0.0)
+            return _dot(_dot(acc, x_lo, lo), x_hi, hi)
+        k0 = pl.multiple_of(kk * bk, bk)
+        xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
+        wt = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(k0, bk)], eviction_policy="evict_first")
+        return _dot(acc, xt, wt)
+
+    acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bm, bn), F32))
+    if fp4 and blk.decode != "e4m3":
+        acc = acc * jnp.float32(2.0 ** FP4_ACC_LOG2)  # the planes hold w * 2^-8
+    return acc
+
+
+def _item(meta_ref, blk: MoeBlock):
+    t, j = pl.program_id(0), pl.program_id(1)
+    e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
+    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (blk.bm, 1), 0)
+    return e, r0, lo, hi, (rows >= lo) & (rows < hi), pl.multiple_of(j * blk.bn, blk.bn)
+
+
+def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, fp4: bool, interpret: bool):
     if fp4:
         x_ref, w_ref, s_ref, _, o_ref = refs
     else:
-        x_ref, w_ref, _, o_ref = refs
-    bm, bn, bk = blk.bm, blk.bn, blk.bk
-    t, j = pl.program_id(0), pl.program_id(1)
-    e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
-    n0 = pl.multiple_of(j * bn, bn)
+        (x_ref, w_ref, _, o_ref), s_ref = refs, None
+    e, r0, lo, hi, rmask, n0 = _item(meta_ref, blk)
+    sp = pl.program_id(2)
+
+    @pl.when(hi > lo)
+    def _():
+        acc = _accumulate(x_ref, w_ref, s_ref, layer_ref[0], e, n0, r0, rmask, sp * ksteps, ksteps, blk, fp4,
+                          interpret)
+        plt.store(o_ref.at[sp, pl.ds(r0, blk.bm), pl.ds(n0, blk.bn)], acc, mask=rmask)
+
+
+def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
+                   blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
+    """w1 and w3 tiles of the same (expert, n tile) in one program; one split: the epilogue applies the SwiGLU
+    and the routing weight of each row (layers.swiglu's order: g, u rounded to `dtype` first)."""
+    e, r0, lo, hi, rmask, n0 = _item(meta_ref, blk)
+    sp = pl.program_id(2)
+    bm, bn = blk.bm, blk.bn
 
     @pl.when(hi > lo)
     def _():
         layer = layer_ref[0]
-        rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        rmask = (rows >= lo) & (rows < hi)  # other experts' rows are neither loaded nor stored
+        g = _accumulate(x_ref, w1_ref, s1_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
+        u = _accumulate(x_ref, w3_ref, s3_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
+        if len(o_ref.shape) == 3:  # split K: f32 partials [2 * split + (0: g, 1: u)], the wrapper finishes
+            plt.store(o_ref.at[2 * sp, pl.ds(r0, bm), pl.ds(n0, bn)], g, mask=rmask)
+            plt.store(o_ref.at[2 * sp + 1, pl.ds(r0, bm), pl.ds(n0, bn)], u, mask=rmask)
+            return
+        rw = plt.load(rw_ref.at[pl.ds(r0, bm)], mask=rmask[:, 0], other=0.0)
+        h = swiglu_rows(g, u, rw[:, None], limit, dtype)
+        plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], h.astype(o_ref.dtype), mask=rmask)
 
-        def body(kk, acc):
-            if fp4:
-                bkp = bk // 2
-                k0 = pl.multiple_of(kk * bkp, bkp)
-                b = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(k0, bkp)], eviction_policy="evict_first")
-                sc = s_ref[layer, e, pl.ds(n0, bn), pl.ds(kk * (bkp // 16), bkp // 16)]
-                s = jax.lax.bitcast_convert_type((sc.astype(jnp.int32) + 6) << 23, F32).astype(BF16)
-                s = jnp.broadcast_to(s[:, :, None], (bn, bkp // 16, 16)).reshape(bn, bkp)
-                w_lo = jax.lax.bitcast_convert_type(((b & 7) << 2) | ((b & 8) << 4), jnp.float8_e4m3fn)
-                w_hi = jax.lax.bitcast_convert_type(((b >> 2) & 0x1C) | (b & 0x80), jnp.float8_e4m3fn)
-                xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(2 * k0, bk)], mask=rmask, other=0.0)
-                xe, xo = (h.reshape(bm, bkp) for h in jax.lax.split(xt.reshape(bm, bkp, 2), (1, 1), axis=2))
-                acc = acc + plt.dot(xe, w_lo.astype(BF16) * s, trans_b=True)
-                return acc + plt.dot(xo, w_hi.astype(BF16) * s, trans_b=True)
-            k0 = pl.multiple_of(kk * bk, bk)
-            xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
-            wt = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(k0, bk)], eviction_policy="evict_first")
-            return acc + plt.dot(xt, wt, trans_b=True)
 
-        acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((bm, bn), F32))
-        plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc, mask=rmask)
+def swiglu_rows(g, u, rw, limit: float, dtype):
+    """layers.swiglu(g, u) * rw on f32 GEMM outputs first rounded to `dtype` (what the reference feeds it)."""
+    g, u = g.astype(dtype).astype(F32), u.astype(dtype).astype(F32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return jax.nn.silu(g) * u * rw  # Pallas Triton lowers the logistic as 1 / (1 + exp(-g))
+
+
+def _meta(group_sizes, M: int, E: int, blk: MoeBlock):
+    n_items = max_work_items(M, E, blk.bm)
+    return n_items, tile_metadata(group_sizes, M, blk.bm, n_items)
+
+
+def _call(kernel, args, out_shape, grid, blk: MoeBlock, interpret: bool, name: str):
+    anyspec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=[anyspec] * len(args), out_specs=anyspec,
+        input_output_aliases={len(args) - 1: 0},
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        interpret=interpret, name=name)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
@@ -147,46 +251,67 @@ def _gmm_pallas(x, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: bo
     M, K = x.shape
     _, E, N, _ = w.shape
     fp4 = codes is not None
-    n_items = max_work_items(M, E, blk.bm)
-    meta = tile_metadata(group_sizes, M, blk.bm, n_items)
-    args = [layer, meta, x, w] + ([codes] if fp4 else []) + [jnp.zeros((M, N), F32)]
-    anyspec = pl.BlockSpec(memory_space=pl.ANY)
-    y = pl.pallas_call(
-        functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk, fp4=fp4),
-        out_shape=jax.ShapeDtypeStruct((M, N), F32),
-        grid=(n_items, N // blk.bn),
-        in_specs=[anyspec] * len(args),
-        out_specs=anyspec,
-        input_output_aliases={len(args) - 1: 0},
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
-        interpret=interpret,
-        name="moe_gmm_mxfp4" if fp4 else "moe_gmm_bf16",
-    )(*args)
-    return y
+    n_items, meta = _meta(group_sizes, M, E, blk)
+    if fp4 and blk.decode != "e4m3":
+        x = permute_k(x, blk)
+    args = [layer, meta, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
+    y = _call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // blk.splits, fp4=fp4,
+                                interpret=interpret),
+              args, jax.ShapeDtypeStruct((blk.splits, M, N), F32), (n_items, N // blk.bn, blk.splits), blk,
+              interpret, "moe_gmm_mxfp4" if fp4 else "moe_gmm_bf16")
+    return y.reshape(M, N) if blk.splits == 1 else jnp.sum(y, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype"))
+def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBlock, interpret: bool,
+                   limit: float, dtype):
+    M, K = x.shape
+    _, E, N, _ = w1.shape
+    n_items, meta = _meta(group_sizes, M, E, blk)
+    S = blk.splits
+    out = jnp.zeros((2 * S, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
+    args = [layer, meta, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
+    y = _call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
+                                interpret=interpret),
+              args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
+              "moe_swiglu_mxfp4")
+    if S == 1:
+        return y
+    gu = jnp.sum(y.reshape(S, 2, M, N), axis=0)
+    return swiglu_rows(gu[0], gu[1], route_w.astype(F32)[:, None], limit, dtype).astype(dtype)
+
+
+def permute_k(x, blk: MoeBlock):
+    """x's columns in the k order of the decoded planes (identity for the tiled layout)."""
+    if blk.layout == "tiled":
+        return x
+    M, K = x.shape
+    order = fp_decode.official_k_order(blk.bk)
+    return x.reshape(M, K // blk.bk, blk.bk)[:, :, order].reshape(M, K)
 
 
 def check_moe_block(blk: MoeBlock, N: int, K: int, fp4: bool):
     for name, v in (("bm", blk.bm), ("bn", blk.bn), ("bk", blk.bk)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of two >= 16")
-    if N % blk.bn or K % blk.bk or (fp4 and blk.bk < 32):
+    if N % blk.bn or K % (blk.bk * blk.splits) or (fp4 and blk.bk < 64):
         raise ValueError(f"block {blk} does not tile N={N}, K={K} (fp4={fp4})")
+    if blk.layout not in LAYOUTS or blk.decode not in DECODES or (blk.layout == "tiled" and blk.bk < 128):
+        raise ValueError(f"block {blk}: layout in {LAYOUTS} (tiled: bk >= 128), decode in {DECODES}")
+    if blk.decode == "e4m3" and blk.layout != "official":
+        raise ValueError(f"block {blk}: the e4m3 decoder reads the official layout")
 
 
-def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,
-                   block: MoeBlock | None = None):
-    """[M, N] f32; see the module docstring."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
+def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False):
     stacked = w.ndim == 4
     layer_arr = layer_array(layer, stacked)
     fp4 = scale is not None
     if fp4 and w.dtype != jnp.uint8:
         raise ValueError(f"MXFP4 weights must be packed uint8, got {w.dtype}")
+    if not fp4 and fp4_required:
+        raise ValueError("MXFP4 weights need their scale")
     if not fp4 and w.dtype != BF16:
         raise ValueError(f"weights without scale must be bf16, got {w.dtype}")
-    if implementation == "xla":
-        return ref_grouped_matmul(x, w, group_sizes, scale=scale, layer=layer)
     M, K = x.shape
     E, N = w.shape[-3], w.shape[-2]
     if w.shape[-1] * (2 if fp4 else 1) != K:
@@ -201,8 +326,54 @@ def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, implementation:
         if codes.shape[-3:] != (E, N, K // 32) or K % 32:
             raise ValueError(f"MXFP4 weight {w.shape} needs K % 32 == 0 and scale [.., E, N, K/32]")
     check_offsets(w4, *([codes] if fp4 else []))
+    return M, N, K, E, w4, codes, layer_arr
+
+
+def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,
+                   block: MoeBlock | None = None):
+    """[M, N] f32; see the module docstring. MXFP4 weights in the official layout unless block.layout says
+    tiled (checkpoints/kernel_layout.py)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
+    M, N, K, E, w4, codes, layer_arr = _prepare(x, w, group_sizes, scale, layer, block)
+    if implementation == "xla":
+        if block is not None and block.layout == "tiled":
+            raise ValueError("the xla branch reads the official layout")
+        return ref_grouped_matmul(x, w, group_sizes, scale=scale, layer=layer)
+    fp4 = codes is not None
     blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E))
     check_moe_block(blk, N, K, fp4)
     interpret = interpret_default() if interpret is None else interpret
     return _gmm_pallas(x.astype(BF16), w4, codes, group_sizes.astype(jnp.int32), layer_arr, blk=blk,
                        interpret=interpret)
+
+
+def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
+                       dtype=BF16):
+    """The model's sequence (layers.routed_experts): two grouped GEMMs rounded to dtype, SwiGLU, routing weight."""
+    g = ref_grouped_matmul(x, w1, group_sizes, scale=scale1, layer=layer)
+    u = ref_grouped_matmul(x, w3, group_sizes, scale=scale3, layer=layer)
+    return swiglu_rows(g, u, route_w.astype(F32)[:, None], limit, dtype).astype(dtype)
+
+
+def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
+                   dtype=BF16, implementation: str = "pallas", interpret=None, block: MoeBlock | None = None):
+    """h [M, N] dtype = (silu(g) * u) * route_w[:, None] with g, u = x @ dequant(w1 / w3)[expert of row]^T
+    (MXFP4 experts, both GEMMs and the activation in one kernel; rows sorted by expert as in grouped_matmul;
+    `limit` = the model's swiglu_limit, 0 for none). Padding rows come back 0."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
+    M, N, K, E, w1_4, c1, layer_arr = _prepare(x, w1, group_sizes, scale1, layer, block, fp4_required=True)
+    _, N3, _, _, w3_4, c3, _ = _prepare(x, w3, group_sizes, scale3, layer, block, fp4_required=True)
+    if N3 != N or route_w.shape != (M,):
+        raise ValueError(f"w1 {w1.shape} / w3 {w3.shape} / route_w {route_w.shape} disagree")
+    if implementation == "xla":
+        return ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, scale1=scale1, scale3=scale3, layer=layer,
+                                  limit=limit, dtype=dtype)
+    blk = block or pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=True)
+    check_moe_block(blk, N, K, True)
+    if blk.decode == "e4m3":
+        raise ValueError("grouped_swiglu decodes with fp_decode (decode='bf16x2')")
+    interpret = interpret_default() if interpret is None else interpret
+    return _swiglu_pallas(x.astype(BF16), w1_4, c1, w3_4, c3, group_sizes.astype(jnp.int32), route_w, layer_arr,
+                          blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype))

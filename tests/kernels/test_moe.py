@@ -209,3 +209,46 @@ def test_compiled_on_gpu(data, fp4):
     y0 = grouped_matmul(x, w, gs, scale=scale, layer=1, interpret=False)
     y1 = grouped_matmul(x, group_sizes=gs, layer=1, interpret=False, **poisoned)
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tiled_layout_split(data, splits):
+    """Weights re-laid out at load (checkpoints.kernel_layout, tiled for bk=128): same result as the official
+    layout; split K (f32 partials summed)."""
+    from checkpoints.kernel_layout import to_tiled_mxfp4
+
+    x, _, p, s = data
+    gs = jnp.asarray(GROUPS, jnp.int32)
+    ref = ref_grouped_matmul(x, p, gs, scale=s, layer=1)
+    for layout, w in (("official", p), ("tiled", to_tiled_mxfp4(p, 128))):
+        blk = MoeBlock(16, 32, 128, splits=1 if K // 128 < splits else splits, layout=layout)
+        y = grouped_matmul(x, w, gs, scale=s, layer=1, interpret=INTERPRET, block=blk)
+        check_close(y, ref, x, dequant_mxfp4(p[1], s[1]), GROUPS)
+    blk = MoeBlock(16, 32, 64, splits=2)
+    y = grouped_matmul(x, p, gs, scale=s, layer=1, interpret=INTERPRET, block=blk)
+    check_close(y, ref, x, dequant_mxfp4(p[1], s[1]), GROUPS)
+
+
+@pytest.mark.parametrize("splits,limit", [(1, 0.0), (2, 1.5)])
+def test_grouped_swiglu_fused(data, splits, limit):
+    """w1 / w3 / SwiGLU / routing weight in one kernel vs the model's sequence of ops (layers.routed_experts):
+    g and u rounded to bf16 first, so h agrees to one bf16 rounding of the activation (exp differs)."""
+    from pallas_kernels.moe import grouped_swiglu, ref_grouped_swiglu
+
+    x, _, p, s = data
+    gs = jnp.asarray(GROUPS, jnp.int32)
+    rw = jax.random.uniform(jax.random.key(5), (M,), jnp.float32, 0.05, 1.0)
+    w1, w3, s1, s3 = p[0], p[1], s[0], s[1]
+    blk = MoeBlock(16, 32, 64, splits=splits)
+    h = grouped_swiglu(x, w1, w3, gs, rw, scale1=s1, scale3=s3, limit=limit, interpret=INTERPRET, block=blk)
+    ref = ref_grouped_swiglu(x, w1, w3, gs, rw, scale1=s1, scale3=s3, limit=limit)
+    assert h.dtype == jnp.bfloat16 and h.shape == (M, N)
+    h, ref = np.asarray(h, np.float64), np.asarray(ref, np.float64)
+    n = sum(GROUPS)
+    np.testing.assert_array_equal(h[n:], 0.0)
+    assert np.all(np.isfinite(h))
+    np.testing.assert_allclose(h[:n], ref[:n], rtol=2 ** -7, atol=1e-6 * np.abs(ref).max())
+    assert np.mean(h[:n] == ref[:n]) > 0.95 and np.abs(ref[:n]).max() > 0.1
+    if limit:
+        assert np.any(np.abs(ref[:n]) > 0) and np.max(np.asarray(
+            ref_grouped_matmul(x, w3, gs, scale=s3))[:n]) > limit  # the clip is exercised
