@@ -105,6 +105,33 @@ def gate(cfg, p, x):
     return w * cfg.route_scale, idx
 
 
+@jax.custom_vjp
+def _bias_signal(w, bias, signal):
+    """Identity on w; sends `signal` to the gate bias's gradient slot (whatever the loss)."""
+    return w
+
+
+def _bias_signal_fwd(w, bias, signal):
+    return w, signal
+
+
+def _bias_signal_bwd(signal, g):
+    return g, signal, jnp.zeros_like(signal)
+
+
+_bias_signal.defvjp(_bias_signal_fwd, _bias_signal_bwd)
+
+
+def balanced_gate(cfg, p, x):
+    """`gate` for training with auxiliary-loss-free balancing (DeepSeek-V3's rule; ops.TrainHooks.balance): the
+    same routing, and the gate bias's gradient slot receives the batch's expert load fraction minus 1/E (the
+    trainer moves the bias by -gamma * sign of it; the bias only picks experts, so it has no gradient of its own)."""
+    w, idx = gate(cfg, p, x)
+    E = cfg.n_routed_experts
+    load = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=tuple(range(idx.ndim))) / idx.size
+    return _bias_signal(w, p["bias"], jax.lax.stop_gradient(load - 1.0 / E).astype(p["bias"].dtype)), idx
+
+
 def swiglu(cfg, g, u):
     g, u = g.astype(F32), u.astype(F32)
     if cfg.swiglu_limit > 0:
@@ -150,8 +177,9 @@ def routed_experts(cfg, p, x, weights, idx):
     return jnp.zeros((N, D), F32).at[tok].add(out.astype(F32))
 
 
-def moe(cfg, p, x, lin=linear, experts=routed_experts):
-    """`lin` / `experts` are the GEMM implementations (the ops seam passes its own; these are the references)."""
+def moe(cfg, p, x, lin=linear, experts=routed_experts, gate=gate):
+    """`lin` / `experts` are the GEMM implementations (the ops seam passes its own; these are the references);
+    `gate` the router (`balanced_gate` under the training hooks)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     w, idx = gate(cfg, materialize(p["gate"]), x2)

@@ -32,6 +32,35 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
+# ----------------------------------------------------------------------------- operand bundles
+def operands(cls):
+    """A frozen keyword-only dataclass of one op's operands, registered as a pytree: fields made with `static()`
+    are metadata (hashable, part of the jit key), the others arrays (or None). The producer fills it and the
+    kernel reads it, so adding an operand touches those two and nothing in between (the ops seam and shard_map
+    pass it whole)."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+    data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(**kw):
+    """An `operands` field that is static metadata (an int / bool / str), not an array."""
+    return dataclasses.field(metadata={"static": True}, **kw)
+
+
+def heads(dim: int, **kw):
+    """An `operands` array field whose dim `dim` indexes query / index heads: tensor parallelism splits it there
+    (every other field is replicated)."""
+    return dataclasses.field(metadata={"heads": dim}, **kw)
+
+
+def head_dims(bundle) -> dict:
+    """field name -> its heads dim (None: replicated) of an `operands` bundle."""
+    return {f.name: f.metadata.get("heads") for f in dataclasses.fields(bundle)
+            if not f.metadata.get("static")}
+
+
 def interpret_default() -> bool:
     """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere."""
     return jax.default_backend() == "cpu"

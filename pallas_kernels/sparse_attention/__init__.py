@@ -3,5 +3,7 @@ kernel and pure-jnp reference; see kernel.py."""
 
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes
 from pallas_kernels.sparse_attention.kernel import paged_sparse_attention, ref_paged_sparse_attention
+from pallas_kernels.sparse_attention.operands import PagedAttentionKV, SparseAttentionOperands
 
-__all__ = ["BlockSizes", "paged_sparse_attention", "ref_paged_sparse_attention"]
+__all__ = ["BlockSizes", "PagedAttentionKV", "SparseAttentionOperands", "paged_sparse_attention",
+           "ref_paged_sparse_attention"]

@@ -1,5 +1,7 @@
-"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (MODEL.md §2.3, §4): a Pallas Triton kernel, its
-wrapper, and `ref_paged_sparse_attention`, the pure-jnp reference.
+"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (docs/ARCHITECTURE.md; the model's side is
+dsv41_jax.attention): a Pallas Triton kernel, its wrapper, and `ref_paged_sparse_attention`, the pure-jnp
+reference. Operands arrive as one `SparseAttentionOperands` pytree and the KV storage as `PagedAttentionKV`
+(operands.py), whose page size and entry size are the caller's layout (static fields).
 
 Per query row (b, i) at position t = pos0[b] + i, H query heads of dim d attend (MQA, K = V = one latent) over
 the key list [window (W entries, oldest first), selected compressed entries (k)] plus an attention sink:
@@ -7,8 +9,8 @@ the key list [window (W entries, oldest first), selected compressed entries (k)]
   chunk_kv[b, p - pos0[b]] when p >= pos0[b], else the FP8 ring entry ring[layer, ring_slot[b], p % W]
   (d E4M3 bytes, then d/32 UE8M0 scale bytes);
 - selected entry j is e = sel[b, i, j] (-1 = none): d/2 packed E2M1 bytes (low nibble = even element) and
-  d/16 E4M3 scale bytes at pages[page_table[b, e // n], region + (e % n) * eb], n = 64 // ratio,
-  eb = d/2 + d/16.
+  d/16 E4M3 scale bytes at pages[page_table[b, e // n], region + (e % n) * eb], n = page_tokens // ratio,
+  eb = entry_bytes (must be d/2 + d/16: the only format the decoder reads).
 Masked entries never contribute, whatever their bytes hold (0xFF-poisoned pages, stale ring slots): their loads
 are masked (they read nothing and yield 0) and their scores are selected to -inf before the softmax.
 
@@ -54,11 +56,11 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes, ResolvedBlockSizes
+from pallas_kernels.sparse_attention.operands import PagedAttentionKV, SparseAttentionOperands
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 CHUNK = 64  # softmax chunk of the official kernel = keys per kernel step
-PAGE_TOKENS = 64
 NEG_INF = float("-inf")
 MAX_FLOOR = -1e30
 
@@ -120,10 +122,9 @@ def gather_window(chunk_kv, ring, layer, ring_slot, pos0, clip):
     return keys.reshape(B, T, W, d), valid
 
 
-def gather_selected(pages, page_table, sel, region, ratio: int, d: int):
-    """Selected compressed keys [B,T,k,d] (bf16) and validity [B,T,k]."""
+def gather_selected(pages, page_table, sel, region, n: int, eb: int, d: int):
+    """Selected compressed keys [B,T,k,d] (bf16) and validity [B,T,k]; n entries of eb bytes per page."""
     B, T, k = sel.shape
-    n, eb = PAGE_TOKENS // ratio, d // 2 + d // 16
     e = jnp.maximum(sel, 0)
     col = jnp.clip(e // n, 0, page_table.shape[1] - 1)
     pg = jnp.take_along_axis(page_table, col.reshape(B, -1), axis=1).reshape(B, T, k)
@@ -156,17 +157,17 @@ def chunked_sink_attention(q, keys, valid, sink, scale: float):
     return (num / denom[..., None]).astype(q.dtype)
 
 
-def ref_paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel, region,
-                               sink, *, ratio: int, scale: float, interpret=None):
-    """Pure-jnp reference (gather + exact decode + chunked softmax); same signature as the kernel."""
+def ref_paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, scale: float, interpret=None):
+    """Pure-jnp reference (gather + exact decode + chunked softmax); same arguments as the kernel."""
     del interpret
-    d = q.shape[-1]
-    keys, valid = gather_window(chunk_kv.astype(q.dtype), ring, layer, ring_slot, pos0, clip)
-    if sel is not None:
-        ck, cv = gather_selected(pages, page_table, sel, region, ratio, d)
+    d = a.q.shape[-1]
+    keys, valid = gather_window(a.chunk_kv.astype(a.q.dtype), kv.ring, a.layer, kv.ring_slot, a.pos0, a.clip)
+    if a.sel is not None:
+        n = kv.page_tokens // max(a.ratio, 1)
+        ck, cv = gather_selected(kv.pages, kv.page_table, a.sel, kv.region, n, kv.entry_bytes, d)
         keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, cv], axis=2)
-    return chunked_sink_attention(q, keys, valid, sink, scale)
+    return chunked_sink_attention(a.q, keys, valid, a.sink, scale)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -333,7 +334,9 @@ def _merge(acc, m, l, sink):
     return num / den[..., None]
 
 
-def _check(q, chunk_kv, ring, pages, page_table, sel, ratio):
+def _check(a: SparseAttentionOperands, kv: PagedAttentionKV):
+    q, chunk_kv, ring, pages, page_table, sel = a.q, a.chunk_kv, kv.ring, kv.pages, kv.page_table, a.sel
+    ratio = max(a.ratio, 1)
     B, T, H, d = q.shape
     L, R, W, e = ring.shape
     if d < 32 or d & (d - 1):
@@ -345,52 +348,57 @@ def _check(q, chunk_kv, ring, pages, page_table, sel, ratio):
     if chunk_kv.shape != (B, T, d):
         raise ValueError(f"chunk_kv {chunk_kv.shape} != {(B, T, d)}")
     if sel is not None:
-        if PAGE_TOKENS % ratio or pages.dtype != jnp.uint8 or sel.shape[:2] != (B, T):
+        if kv.page_tokens % ratio or pages.dtype != jnp.uint8 or sel.shape[:2] != (B, T):
             raise ValueError("bad ratio / pages dtype / sel shape")
+        if kv.entry_bytes != d // 2 + d // 16:
+            raise ValueError(f"latent entries of {kv.entry_bytes} bytes: the kernel reads FP4 entries of "
+                             f"{d // 2 + d // 16} (d/2 E2M1 + d/16 E4M3 scale bytes)")
         if page_table.shape[0] != B:
             raise ValueError("page_table rows != batch")
 
 
-def paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel, region, sink,
-                           *, ratio: int, scale: float, interpret=None, implementation: str = "pallas",
-                           block_sizes: BlockSizes | None = None, decode: str = "cvt", _poison_out: bool = False):
+def paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, scale: float, interpret=None,
+                           implementation: str = "pallas", block_sizes: BlockSizes | None = None, decode: str = "cvt",
+                           _poison_out: bool = False):
     """See the module docstring. implementation="xla" runs `ref_paged_sparse_attention`.
 
     block_sizes: launch configuration (heads per program, KV splits, warps); decode: "cvt" (E2M1 bits moved to
     E4M3, hardware conversion) or "int" (integer decoders of pallas_kernels.common); both are exact.
     _poison_out (tests): outputs start as NaN buffers aliased into the kernel, so unwritten blocks show."""
     if implementation == "xla":
-        return ref_paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel,
-                                          region, sink, ratio=ratio, scale=scale)
+        return ref_paged_sparse_attention(a, kv, scale=scale)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
     if decode not in FP4_CVT_FACTOR:
         raise ValueError(f"unknown decode {decode!r}")
-    _check(q, chunk_kv, ring, pages, page_table, sel, ratio)
+    _check(a, kv)
     interpret = common.interpret_default() if interpret is None else interpret
+    q, sel = a.q, a.sel
     B, T, H, d = q.shape
-    L, R, W, _ = ring.shape
+    L, R, W, _ = kv.ring.shape
     n_win = W // CHUNK
     n_sel = 0 if sel is None else -(-sel.shape[-1] // CHUNK)
     bs = (block_sizes or BlockSizes()).resolve(B * T, H, n_win + n_sel)
-    region = _scalar(0 if region is None else region)
+    region = _scalar(0 if kv.region is None or sel is None else kv.region)
     try:
         concrete = int(region)
     except jax.errors.ConcretizationTypeError:
         concrete = 0
     if concrete % 16:
         raise ValueError(f"region {concrete} must be a multiple of 16")
-    eb = d // 2 + d // 16
+    eb = kv.entry_bytes
     st = _Static(d=d, W=W, T=T, n_win=n_win, n_chunks=n_win + n_sel, per=bs.chunks_per_split,
-                 splits=bs.num_splits, bh=bs.block_h, n=PAGE_TOKENS // ratio, eb=eb,
-                 max_pages=1 if sel is None else page_table.shape[1], scale=float(scale), decode=decode,
+                 splits=bs.num_splits, bh=bs.block_h, n=kv.page_tokens // max(a.ratio, 1), eb=eb,
+                 max_pages=1 if sel is None else kv.page_table.shape[1], scale=float(scale), decode=decode,
                  align=math.gcd(eb, 16), has_sel=sel is not None)
-    return _call(st, bs, interpret, _poison_out, q, chunk_kv, ring, _scalar(layer), ring_slot, pos0, clip, pages,
-                 page_table, sel, region, sink)
+    return _call(st, bs, interpret, _poison_out, a, kv, region)
 
 
-def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, q, chunk_kv, ring, layer, ring_slot,
-          pos0, clip, pages, page_table, sel, region, sink):
+def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a: SparseAttentionOperands,
+          kv: PagedAttentionKV, region):
+    q, chunk_kv, ring, layer, ring_slot, pos0, clip = a.q, a.chunk_kv, kv.ring, _scalar(a.layer), kv.ring_slot, \
+        a.pos0, a.clip
+    pages, page_table, sel, sink = kv.pages, kv.page_table, a.sel, a.sink
     B, T, H, d = q.shape
     L, R, W, e = ring.shape
     BT, Hp, bh, S = B * T, bs.heads_padded, bs.block_h, bs.num_splits

@@ -12,11 +12,16 @@ import pytest
 
 from dsv41_jax import attention as A
 from dsv41_jax import quant
-from dsv41_jax.kv_cache import PagedKV, PageLayout
+from dsv41_jax.kv_cache import PagedGlobal, PagedKV, PageLayout
+from dsv41_jax.kv_format import PAGE_TOKENS, swa_unpack
 from pallas_kernels import common
-from pallas_kernels.sparse_attention import BlockSizes, paged_sparse_attention, ref_paged_sparse_attention
-from pallas_kernels.sparse_attention.kernel import PAGE_TOKENS
-from serving.engine.runner import _swa_unpack
+from pallas_kernels.sparse_attention import (
+    BlockSizes,
+    PagedAttentionKV,
+    SparseAttentionOperands,
+    paged_sparse_attention,
+    ref_paged_sparse_attention,
+)
 
 INTERPRET = jax.default_backend() == "cpu"  # on a GPU (JAX_PLATFORMS=cuda) the kernels run compiled
 
@@ -100,8 +105,19 @@ def make_case(seed, *, B, T, H, d, k, ratio, pos0, clip, W=128, L=2, layer=1, wi
     return args, dict(ratio=ratio, scale=d ** -0.5)
 
 
+def bundles(args, ratio):
+    """The positional case as the kernel's operand bundles (what ops builds from the model's operands)."""
+    q, chunk, ring, layer, ring_slot, pos0, clip, pages, table, sel, region, sink = args
+    d = q.shape[-1]
+    a = SparseAttentionOperands(q=q, chunk_kv=chunk, pos0=pos0, clip=clip, sel=sel, sink=sink, layer=layer,
+                                src=jnp.int32(SRC), ratio=ratio)
+    kv = PagedAttentionKV(ring=ring, ring_slot=ring_slot, pages=pages, page_table=table, region=region,
+                          page_tokens=PAGE_TOKENS, entry_bytes=d // 2 + d // 16)
+    return a, kv
+
+
 def ref(args, kw):
-    return jax.jit(functools.partial(ref_paged_sparse_attention, **kw))(*args)
+    return jax.jit(functools.partial(ref_paged_sparse_attention, scale=kw["scale"]))(*bundles(args, kw["ratio"]))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -119,12 +135,12 @@ def model_attention(args, kw):
     qpos = pos0[:, None] + jnp.arange(T, dtype=jnp.int32)
     wpos = A.window_positions(qpos, clip, W, fresh=False)
     widx = A.window_store_index(wpos, pos0, W, fresh=False)
-    store = jnp.concatenate([_swa_unpack(cfg, ring[layer, ring_slot]), chunk], axis=1)
+    store = jnp.concatenate([swa_unpack(cfg, ring[layer, ring_slot]), chunk], axis=1)
     keys = jnp.take_along_axis(store, widx.reshape(B, -1)[..., None], axis=1).reshape(B, T, W, d)
     valid = wpos >= 0
     if sel is not None:
         kv = PagedKV(_layout(kw["ratio"], d), "bfloat16")
-        ck = kv.latents({"pages": pages, "page_table": table}, kw["ratio"], SRC, sel)
+        ck = kv.latents(PagedGlobal(pages, table), kw["ratio"], SRC, sel)
         keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, sel >= 0], axis=2)
     return A.sparse_attention(cfg, q, keys.astype(q.dtype), valid, sink, kw["scale"])
@@ -144,8 +160,8 @@ def _assert_close(got, want, exact=0.99):
 
 
 def _run(args, kw, **opts):
-    fn = functools.partial(paged_sparse_attention, **kw, interpret=INTERPRET, _poison_out=True, **opts)
-    return jax.jit(fn)(*args)
+    fn = functools.partial(paged_sparse_attention, scale=kw["scale"], interpret=INTERPRET, _poison_out=True, **opts)
+    return jax.jit(fn)(*bundles(args, kw["ratio"]))
 
 
 SMALL = dict(H=16, d=64, k=128)
@@ -205,8 +221,8 @@ def test_poisoned_masked_bytes_do_not_leak():
 
 def test_xla_implementation_is_the_ref():
     args, kw = make_case(6, B=1, T=1, ratio=1, pos0=[90], clip=[0], **SMALL)
-    xla = jax.jit(functools.partial(paged_sparse_attention, **kw, implementation="xla"))
-    np.testing.assert_array_equal(_f32(xla(*args)), _f32(ref(args, kw)))
+    xla = jax.jit(functools.partial(paged_sparse_attention, scale=kw["scale"], implementation="xla"))
+    np.testing.assert_array_equal(_f32(xla(*bundles(args, kw["ratio"]))), _f32(ref(args, kw)))
 
 
 def _abstract_full(B, T, with_sel=True, n_pages=64, max_pages=128):
@@ -226,7 +242,8 @@ def _abstract_full(B, T, with_sel=True, n_pages=64, max_pages=128):
 ])
 def test_full_shape_lowers_for_h200(B, T, bs, decode, with_sel):
     def f(*a):
-        return paged_sparse_attention(*a, ratio=1, scale=512 ** -0.5, interpret=False, block_sizes=bs, decode=decode)
+        return paged_sparse_attention(*bundles(a, 1), scale=512 ** -0.5, interpret=False, block_sizes=bs,
+                                      decode=decode)
 
     text = common.lower_for_h200(f, *_abstract_full(B, T, with_sel))
     assert "__gpu$xla.gpu.triton" in text
