@@ -63,11 +63,9 @@ def hc_logits(cfg, x, fn):
     return mm(xf, fn.astype(F32), "...i,oi->...o") * r
 
 
-def hc_mixes(cfg, x, fn, scale, base):
-    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
-    hc = cfg.hc_mult
-    m = hc_logits(cfg, x, fn)
-    eps = cfg.hc_eps
+def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float):
+    """The mixing logits m [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]
+    (Sinkhorn-normalised): the one jnp reference, also the oracle of the Pallas kernel (pallas_kernels/mhc)."""
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
@@ -79,8 +77,14 @@ def hc_mixes(cfg, x, fn, scale, base):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-    c = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, c)
+    c = jax.lax.fori_loop(0, iters - 1, sinkhorn, c)
     return pre, post, c
+
+
+def hc_mixes(cfg, x, fn, scale, base):
+    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
+    return hc_coefficients(hc_logits(cfg, x, fn), scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
+                           eps=cfg.hc_eps)
 
 
 def hc_pre(x, pre):

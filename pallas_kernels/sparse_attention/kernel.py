@@ -1,7 +1,8 @@
-"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (docs/ARCHITECTURE.md; the model's side is
-dsv41_jax.attention): a Pallas Triton kernel, its wrapper, and `ref_paged_sparse_attention`, the pure-jnp
-reference. Operands arrive as one `SparseAttentionOperands` pytree and the KV storage as `PagedAttentionKV`
-(operands.py), whose page size and entry size are the caller's layout (static fields).
+"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (docs/ARCHITECTURE.md): a Pallas Triton kernel and
+its wrapper. Its one jnp reference is the model's: dsv41_jax.attention.sparse_attention over the keys gathered
+by the ops seam's XLA branch (the tests' oracle). Operands arrive as one `SparseAttentionOperands` pytree and
+the KV storage as `PagedAttentionKV` (operands.py), whose page size and entry size are the caller's layout
+(static fields).
 
 Per query row (b, i) at position t = pos0[b] + i, H query heads of dim d attend (MQA, K = V = one latent) over
 the key list [window (W entries, oldest first), selected compressed entries (k)] plus an attention sink:
@@ -19,11 +20,10 @@ softmax online over consecutive 64-entry chunks of the key list with a cumulativ
 -1e30; unnormalised probabilities exp(s - running_max) are rounded to bf16 before P.V; the denominator adds
 exp(sink_h - final_max). o = numerator / denominator, cast to bf16.
 
-Contracts:
-- `ref_paged_sparse_attention` decodes exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale
-  has <= 6 significant bits, an E4M3 value times a power of two <= 4) and then runs the model's expression: it
-  equals dsv41_jax.attention.sparse_attention on the keys gathered the model's way bit for bit (tested).
-- The kernel decodes the same keys exactly (masking is exact too); it differs from the reference only by the f32
+Contract (against the reference above):
+- The kernel decodes the keys exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale has <= 6
+  significant bits, an E4M3 value times a power of two <= 4; masking is exact too); it differs from the
+  reference only by the f32
   summation order of the dots (q.k is two half-dim dots, even and odd elements) and, with num_splits > 1, by
   the merge: each split restarts the running max, so its bf16 rounding of the probabilities differs.
   Measured (interpret mode, random inputs, also at the full shape): every output element is within 1 bf16 ulp
@@ -65,7 +65,7 @@ NEG_INF = float("-inf")
 MAX_FLOOR = -1e30
 
 
-# ----------------------------------------------------------------------------- byte decoders (ref and kernel)
+# ----------------------------------------------------------------------------- byte decoders
 def _e4m3(byte, decode: str, dtype=F32):
     """E4M3 bytes -> values (exact in f32 and bf16; NaN for 0x7f/0xff)."""
     if decode == "int":
@@ -87,87 +87,8 @@ def _fp4_planes(packed, decode: str, dtype=F32):
 FP4_CVT_FACTOR = {"cvt": 64.0, "int": 1.0}
 
 
-def decode_fp8_entries(raw, d: int, out_dtype=BF16):
-    """SWA ring entries uint8 [..., d + d/32] -> values [..., d] (E4M3 x UE8M0 per 32)."""
-    v = common.e4m3_to_f32(raw[..., :d]).reshape(*raw.shape[:-1], d // 32, 32)
-    s = common.e8m0_to_f32(raw[..., d:])
-    return (v * s[..., None]).reshape(*raw.shape[:-1], d).astype(out_dtype)
-
-
-def decode_fp4_entries(raw, d: int, out_dtype=BF16):
-    """Global-KV latent entries uint8 [..., d/2 + d/16] -> values [..., d] (E2M1 x E4M3 per 16)."""
-    lo, hi = _fp4_planes(raw[..., : d // 2], "int")
-    v = jnp.stack([lo, hi], axis=-1).reshape(*raw.shape[:-1], d // 16, 16)
-    s = common.e4m3_to_f32(raw[..., d // 2:])
-    return (v * s[..., None]).reshape(*raw.shape[:-1], d).astype(out_dtype)
-
-
-# ----------------------------------------------------------------------------- reference
 def _scalar(x):
     return jnp.asarray(x, jnp.int32).reshape(())
-
-
-def gather_window(chunk_kv, ring, layer, ring_slot, pos0, clip):
-    """Window keys [B,T,W,d] (bf16) and validity [B,T,W] of every query row."""
-    B, T, d = chunk_kv.shape
-    W = ring.shape[2]
-    t = pos0[:, None] + jnp.arange(T, dtype=jnp.int32)
-    p = t[..., None] - W + 1 + jnp.arange(W, dtype=jnp.int32)  # [B,T,W]
-    valid = (p >= 0) & (p >= clip[:, None, None])
-    vals = decode_fp8_entries(ring[_scalar(layer), ring_slot], d, chunk_kv.dtype)  # [B,W,d]
-    rel = p - pos0[:, None, None]
-    from_ring = jnp.take_along_axis(vals, jnp.mod(p, W).reshape(B, -1)[..., None], axis=1)
-    from_chunk = jnp.take_along_axis(chunk_kv, jnp.clip(rel, 0, T - 1).reshape(B, -1)[..., None], axis=1)
-    keys = jnp.where((rel >= 0).reshape(B, -1)[..., None], from_chunk, from_ring)
-    return keys.reshape(B, T, W, d), valid
-
-
-def gather_selected(pages, page_table, sel, region, n: int, eb: int, d: int):
-    """Selected compressed keys [B,T,k,d] (bf16) and validity [B,T,k]; n entries of eb bytes per page."""
-    B, T, k = sel.shape
-    e = jnp.maximum(sel, 0)
-    col = jnp.clip(e // n, 0, page_table.shape[1] - 1)
-    pg = jnp.take_along_axis(page_table, col.reshape(B, -1), axis=1).reshape(B, T, k)
-    off = _scalar(region) + (e % n) * eb
-    raw = pages[pg[..., None], off[..., None] + jnp.arange(eb, dtype=jnp.int32)]  # [B,T,k,eb]
-    return decode_fp4_entries(raw, d), sel >= 0
-
-
-def chunked_sink_attention(q, keys, valid, sink, scale: float):
-    """q [B,T,H,d] bf16, keys [B,T,K,d] bf16, valid [B,T,K], sink [H] -> [B,T,H,d] bf16: the official kernel's
-    chunked online softmax, written as dsv41_jax.attention.sparse_attention (bf16 compute dtype) writes it."""
-    B, T, K, d = keys.shape
-    keys = jnp.where(valid[..., None], keys, 0)
-    s = jnp.einsum("bthd,btkd->bthk", q, keys, preferred_element_type=F32)
-    s = jnp.where(valid[:, :, None, :], s, NEG_INF) * scale
-    pad = -K % CHUNK
-    if pad:
-        s = jnp.pad(s, [(0, 0)] * 3 + [(0, pad)], constant_values=NEG_INF)
-        keys = jnp.pad(keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
-    nc = (K + pad) // CHUNK
-    sc = s.reshape(B, T, -1, nc, CHUNK)
-    run_max = jnp.maximum(jax.lax.cummax(jnp.max(sc, axis=-1), axis=3), MAX_FLOOR)
-    p = jnp.exp(sc - run_max[..., None])
-    final = run_max[..., -1]
-    corr = jnp.exp(run_max - final[..., None])
-    denom = jnp.sum(jnp.sum(p, axis=-1) * corr, axis=-1) + jnp.exp(sink.astype(F32) - final)
-    pr = p.astype(BF16).astype(F32)
-    kc = keys.astype(F32).reshape(B, T, nc, CHUNK, d)
-    num = jnp.einsum("bthcj,btcjd,bthc->bthd", pr, kc, corr, precision=jax.lax.Precision.HIGHEST)
-    return (num / denom[..., None]).astype(q.dtype)
-
-
-def ref_paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, scale: float, interpret=None):
-    """Pure-jnp reference (gather + exact decode + chunked softmax); same arguments as the kernel."""
-    del interpret
-    d = a.q.shape[-1]
-    keys, valid = gather_window(a.chunk_kv.astype(a.q.dtype), kv.ring, a.layer, kv.ring_slot, a.pos0, a.clip)
-    if a.sel is not None:
-        n = kv.page_tokens // max(a.ratio, 1)
-        ck, cv = gather_selected(kv.pages, kv.page_table, a.sel, kv.region, n, kv.entry_bytes, d)
-        keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
-        valid = jnp.concatenate([valid, cv], axis=2)
-    return chunked_sink_attention(a.q, keys, valid, a.sink, scale)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -358,17 +279,12 @@ def _check(a: SparseAttentionOperands, kv: PagedAttentionKV):
 
 
 def paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, scale: float, interpret=None,
-                           implementation: str = "pallas", block_sizes: BlockSizes | None = None, decode: str = "cvt",
-                           _poison_out: bool = False):
-    """See the module docstring. implementation="xla" runs `ref_paged_sparse_attention`.
+                           block_sizes: BlockSizes | None = None, decode: str = "cvt", _poison_out: bool = False):
+    """See the module docstring.
 
     block_sizes: launch configuration (heads per program, KV splits, warps); decode: "cvt" (E2M1 bits moved to
     E4M3, hardware conversion) or "int" (integer decoders of pallas_kernels.common); both are exact.
     _poison_out (tests): outputs start as NaN buffers aliased into the kernel, so unwritten blocks show."""
-    if implementation == "xla":
-        return ref_paged_sparse_attention(a, kv, scale=scale)
-    if implementation != "pallas":
-        raise ValueError(f"unknown implementation {implementation!r}")
     if decode not in FP4_CVT_FACTOR:
         raise ValueError(f"unknown decode {decode!r}")
     _check(a, kv)
