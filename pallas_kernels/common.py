@@ -8,7 +8,7 @@ but at most 4 GiB get 64-bit offsets instead of sign-extended 32-bit ones (which
 wrongly). It changes nothing else; if jax's internals move, `check_offsets` refuses such arrays instead.
 
 In-kernel decoders use only integer shifts/masks, compares, selects and float multiplies, because Hopper
-has no FP4 type and the Pallas Triton lowering cannot load float4 refs (../shared/spec/JAX_GPU.md §9). They
+has no FP4 type and the Pallas Triton lowering cannot load float4 refs (tests/kernels/test_common.py). They
 are plain jnp functions on int32 arrays, so the same code runs inside a kernel body, in interpret mode on
 CPU, and in the references. Every decoder is bit-exact (tests/kernels/test_common.py checks all codes).
 
