@@ -48,7 +48,7 @@ from dsv41_jax.ops import ExecContext, pallas_config_problems
 from dsv41_jax.params import source_slots
 from dsv41_jax.sharding import DATA, param_partition_specs
 from serving.engine import multihost
-from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW
+from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW, decoder_rows
 from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
 from serving.engine.sampler import sample
 from serving.engine.step_io import (
@@ -238,7 +238,7 @@ class Runner:
         state = KVState(self.swa_layout.load(cfg, pools["swa"], slots), PagedGlobal(pools["pages"], inp.page_table),
                         comp)
         T = key.tokens
-        n_dec = {DEC_NONE: 0, DEC_WINDOW: min(cfg.window_size, T), DEC_ALL: T}[key.decoder]
+        n_dec = decoder_rows(key.decoder, T, cfg.window_size)
         n_logits = T if key.all_logits else 1
         logits, state, _, aux = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec,
                                           n_logits=n_logits, ex=self.ex)
