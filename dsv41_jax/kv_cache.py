@@ -30,12 +30,12 @@ Values handed to `write` are already quantize-dequantized, so packing them is lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass, fields, replace
 
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.attention import ring_update
 from dsv41_jax.kv_format import (
     PAGE_TOKENS,
     entry_pack,
@@ -50,11 +50,9 @@ __all__ = ["PAGE_TOKENS", "CompressorCarry", "DenseGlobal", "DenseKV", "KVState"
            "PagedKV", "SwaPool", "SwaRings"]
 
 
-def _pytree(cls, meta=()):
-    from dataclasses import fields
-
-    data = [f.name for f in fields(cls) if f.name not in meta]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+def _pytree(cls):
+    """Register a frozen dataclass whose fields are all arrays (or sub-pytrees, or None) as a pytree."""
+    return jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in fields(cls)], meta_fields=[])
 
 
 def _window_write(cfg, kv, pos0, n_valid):
@@ -67,7 +65,7 @@ def _window_write(cfg, kv, pos0, n_valid):
 
 
 # ----------------------------------------------------------------------------- SWA rings
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class SwaRings:
     """Per-sequence rings in the compute dtype."""
@@ -88,13 +86,11 @@ class SwaRings:
         return jax.lax.dynamic_index_in_dim(self.rings, l, keepdims=False)
 
     def write(self, cfg, l, kv, pos0, n_valid) -> SwaRings:
-        from dsv41_jax.attention import ring_update
-
         new = ring_update(self.ring(cfg, l), kv, pos0, cfg.window_size, n_valid)
         return SwaRings(jax.lax.dynamic_update_index_in_dim(self.rings, new.astype(self.rings.dtype), l, 0))
 
 
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class SwaPool:
     """The engine's packed ring pool, read and written in place at the sequences' pool rows."""
@@ -121,7 +117,7 @@ class SwaPool:
 
 
 # ----------------------------------------------------------------------------- compressor carry
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class CompressorCarry:
     """The ratio-2 compressors' open (incomplete) group per sequence, at slot p % 2."""
@@ -130,7 +126,7 @@ class CompressorCarry:
 
 
 # ----------------------------------------------------------------------------- global KV: dense
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class DenseGlobal:
     lat: dict  # ratio -> [n_src, B, C, d] compute dtype latents
@@ -217,7 +213,7 @@ class PageLayout:
         return sum(1 for (k, r, _), _ in self.regions if k == "lat" and r == ratio)
 
 
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class PagedGlobal:
     pages: jax.Array  # [P, page_bytes] uint8 the page pool (PageLayout)
@@ -286,7 +282,7 @@ class PagedKV:
 
 
 # ----------------------------------------------------------------------------- the whole state
-@partial(_pytree)
+@_pytree
 @dataclass(frozen=True)
 class KVState:
     """Everything a chunk step reads and writes besides the parameters (see the module docstring)."""

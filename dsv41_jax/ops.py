@@ -2,10 +2,18 @@
 or a sharded variant, and the only module of the model package that may import `pallas_kernels`.
 
 `ExecContext` is the frozen execution context of a compiled program: the global-KV storage strategy
-(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas") and the device mesh with its
-parallel layout (`dsv41_jax.sharding.Parallel`: TP or DP/DEP; None: one device, no mesh at all). It is
-hashable and passed as a static argument, so it is part of every jit key: two contexts never share a
-compiled program, and nothing is chosen by environment variables or at import time.
+(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas"), the device mesh with its
+parallel layout (`dsv41_jax.sharding.Parallel`: TP or DP/DEP; None: one device, no mesh at all) and the
+training hooks (`TrainHooks`; None when serving). It is hashable and passed as a static argument, so it is
+part of every jit key: two contexts never share a compiled program, and nothing is chosen by environment
+variables or at import time.
+
+Operands travel as one typed pytree per op boundary: `AttentionOperands` (the kernel package's
+SparseAttentionOperands) and `IndexerInputs`, built by the model, passed whole through this seam and the
+shard_map of dsv41_jax.parallel (specs from the fields) to the implementation; the KV state is a typed
+`kv_cache.KVState` whose SWA / global parts are read and written by their strategies (no branch on which keys
+a state holds). Adding an attention operand touches the model (producer) and the kernel (and the XLA branch
+here when the reference reads it), nothing in between.
 
 Every op below takes the context first. Its XLA branch is the reference (the functions of `layers` /
 `attention` / `kv_cache`), and it is the default. A Pallas branch exists only where `PALLAS_OPS` has an
