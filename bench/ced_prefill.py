@@ -43,7 +43,7 @@ def main():
         def run():
             state = init_state(cfg, 1, T)
             inp = ChunkInputs.make(toks, ids, dec_clip=T - n_dec)
-            lg, _, _ = step(cfg, params, state, inp, fresh=True, n_dec=n_dec, n_logits=1)
+            lg = step(cfg, params, state, inp, fresh=True, n_dec=n_dec, n_logits=1).logits
             return jax.block_until_ready(lg)
 
         t0 = time.perf_counter()

@@ -37,12 +37,12 @@ COLLECTIVE = re.compile(r"stablehlo\.(all_reduce|all_to_all|all_gather|reduce_sc
 
 def _engine(cfg, layout: str, a, programs):
     import checkpoints
-    from dsv41_jax.kv_format import pages_for
+    from dsv41_jax.kv_format import PAGE_TOKENS, pages_for
     from serving.engine import Engine, EngineArgs
     from serving.engine.engine import make_mesh
 
-    mml = -(-(a.context + a.steps + a.warmup + 64) // 64) * 64
-    mml = max(mml, -(-(a.prefill_tokens + 64) // 64) * 64)
+    mml = pages_for(a.context + a.steps + a.warmup + PAGE_TOKENS) * PAGE_TOKENS
+    mml = max(mml, pages_for(a.prefill_tokens + PAGE_TOKENS) * PAGE_TOKENS)
     args = EngineArgs(max_model_len=mml, max_num_seqs=a.batch, max_num_batched_tokens=a.prefill_tokens,
                       prefill_buckets=(a.prefill_tokens,), decode_buckets=(a.batch,), kernels=a.kernels,
                       enable_prompt_logprobs=False, enable_prefix_caching=False,
@@ -71,6 +71,7 @@ def prefill_ms(eng, tokens: int, reps: int) -> float:
     """Median device time of the CED prefill program on one `tokens`-token prompt (replayed, synced)."""
     import jax
 
+    from dsv41_jax.kv_format import pages_for
     from serving.engine.chunk_plan import DEC_WINDOW
     from serving.engine.step_io import PREFILL, ProgramKey
 
@@ -78,7 +79,7 @@ def prefill_ms(eng, tokens: int, reps: int) -> float:
     key = ProgramKey(PREFILL, tokens, DEC_WINDOW)
     inp = r.inputs(key)
     rng = np.random.default_rng(1)
-    pages = eng.pool.allocate(-(-tokens // 64))
+    pages = eng.pool.allocate(pages_for(tokens))
     inp.slots[0] = eng.scheduler.free_slots[-1]
     inp.page_table[0, :len(pages)] = pages
     inp.chunk.tokens[0] = rng.integers(0, eng.cfg.vocab_size, tokens)
@@ -141,14 +142,14 @@ def part1(cfg, a, t_start: float) -> list[dict]:
 
 
 def part2(cfg, a) -> list[dict]:
-    from dsv41_jax.kv_format import pages_for
+    from dsv41_jax.kv_format import PAGE_TOKENS, pages_for
     from dsv41_jax.sharding import Parallel, check_layout
     from serving.engine import EngineArgs
     from serving.engine.chunk_plan import DEC_WINDOW
     from serving.engine.runner import Runner
     from serving.engine.step_io import DECODE, PREFILL, ProgramKey
 
-    mml = -(-(a.prefill_tokens + 64) // 64) * 64
+    mml = pages_for(a.prefill_tokens + PAGE_TOKENS) * PAGE_TOKENS
     base = EngineArgs(max_model_len=mml, max_num_seqs=a.batch, max_num_batched_tokens=a.prefill_tokens,
                       prefill_buckets=(a.prefill_tokens,), decode_buckets=(a.batch,), kernels=a.kernels,
                       enable_prompt_logprobs=False).resolved(cfg)

@@ -9,7 +9,7 @@ only; 1-3 ratio 2 (1: KV + index source, Engram; 2-3 reuse); decoder 4-7 ratio 1
 source, 5 reuse, 6 Reindex, 7 reuse); window 128, index top-128 of up to 8192 entries inside 64 candidate
 blocks of 8; 8 routed experts (top-2) + a shared one; mHC x4; vocabulary 8192 (bench.stdlib_corpus).
 
-Training (dsv41_jax.train): f32 masters, quantization-aware forward with the served FP8 / MXFP4 formats (straight-
+Training (training.objective): f32 masters, quantization-aware forward with the served FP8 / MXFP4 formats (straight-
 through), bf16 compute, AdamW with a cosine schedule over the wall-clock budget, aux-loss-free expert balancing,
 an indexer KL term. Batches are random windows of the training stream: 1024-token windows (32 per step) and,
 every `--long-every` steps, 8192-token windows (4 per step) starting at a document start (long files favoured).
@@ -25,6 +25,7 @@ completion). A summary table is printed last. Copy the directory's files into ds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -43,10 +44,10 @@ from tqdm import tqdm
 
 import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
 from bench import stdlib_corpus as corpus
-from dsv41_jax import train as T
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
 from dsv41_jax.params import num_params
+from training import objective as T
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / "dsv41_jax" / "default_model"
@@ -151,8 +152,7 @@ class Evaluator:
         self.fn = None
 
     def _compile(self, params, args):
-        with T.training_hooks(indexer_stride=self.stride, balance=False):
-            self.fn = jax.jit(T.eval_step(self.cfg, self.stride)).lower(params, *args).compile()
+        self.fn = jax.jit(T.eval_step(self.cfg, self.stride)).lower(params, *args).compile()
 
     def nll(self, params, win: np.ndarray, mask=None):
         """win [n, length+1] -> (per-token NLL [n, length] as numpy, summed recall metrics)."""
@@ -272,10 +272,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     step_fn = jax.jit(T.make_train_step(cfg, h, tx), donate_argnums=(0, 1))
     compiled = {}
-    with T.training_hooks(indexer_stride=h.aux_stride) as have:
-        for kind, (b, t) in shapes.items():
-            ex = make_batch(cfg, hasher, np.zeros((b, t + 1), np.int32))
-            compiled[kind] = step_fn.lower(masters, opt_state, *ex, jnp.float32(0)).compile()
+    have = dataclasses.asdict(T.train_hooks(h))  # the model's training hooks the step runs with
+    for kind, (b, t) in shapes.items():
+        ex = make_batch(cfg, hasher, np.zeros((b, t + 1), np.int32))
+        compiled[kind] = step_fn.lower(masters, opt_state, *ex, jnp.float32(0)).compile()
     export = jax.jit(lambda m: T.export_params(cfg, m))
     probe = export(masters)
     evals = Evaluator(cfg, hasher, batch=8 if not a.smoke else 2, length=1024)

@@ -1,6 +1,7 @@
-"""CSA2 attention pieces (MODEL.md §2.3-2.5): the sparse gather attention with an attention sink, the
-sliding-window index lists (with the replay clip), the compressor, the lightning indexer and the layer-20
-candidate-block filter.
+"""CSA2 attention pieces (docs/ARCHITECTURE.md; the layer wiring: dsv41_jax.model): the sparse gather attention
+with an attention sink, the sliding-window index lists (with the replay clip), the compressor, the lightning
+indexer, the layer-20 candidate-block filter and the top-k selections (the one home of those rules: the Pallas
+branch of the ops seam uses the id forms here too).
 
 Numerics follow the reference kernels:
 - scores are q·k in f32 then times 512^-0.5; the softmax runs online over 64-entry chunks of the index list
@@ -151,10 +152,12 @@ def build_entries(cfg, p_comp, p_idx, lat, j, ratio: int, freqs):
 
 # ----------------------------------------------------------------------------- indexer
 def index_query(cfg, p, x, qr, qpos, freqs, lin=linear):
-    """Index queries q [B,T,Hi,di] (RoPE'd, FP4-qdq'd) and head weights w [B,T,Hi] (scaled, compute dtype)."""
+    """Index queries q [B,T,Hi,di] (RoPE'd, FP4-qdq'd) and head weights w [B,T,Hi] (scaled, compute dtype).
+    The head count comes from the weights (a tensor-parallel rank passes its rows); the weights' scale uses the
+    model's cfg.index_n_heads."""
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
     dt = cdtype(cfg)
-    q = lin(cfg, p["wq_b"], qr).reshape(*qr.shape[:-1], Hi, di)
+    q = lin(cfg, p["wq_b"], qr).reshape(*qr.shape[:-1], -1, di)
     q = apply_rope(q, qpos, freqs)
     if cfg.qdq:
         q = quant.fp4_qdq(q, 32, "ue8m0")
@@ -162,23 +165,31 @@ def index_query(cfg, p, x, qr, qpos, freqs, lin=linear):
     return q, w
 
 
-def index_scores(cfg, p, x, qr, qpos, index_k, ratio: int, freqs, lin=linear):
-    """Lightning-indexer scores [B,T,C] over every cache entry; unreachable entries are -inf."""
-    dt = cdtype(cfg)
-    q, w = index_query(cfg, p, x, qr, qpos, freqs, lin)
-    # the reference rounds to bf16 after the dot, after relu(s) * w and after the head sum. The products are
-    # formed in f32 and rounded explicitly: XLA:CPU otherwise fuses a bf16 multiply into the f32 reduction and
-    # drops that rounding, even without excess precision.
-    rnd = _round_to(dt)
+def index_head_terms(q, w, index_k, dt):
+    """Per-head indexer terms [B,T,Hi,C] f32: bf16(relu(bf16(q_h . k)) * w_h), the reference's first two rounding
+    points. The products are formed in f32 and rounded explicitly: XLA:CPU otherwise fuses a bf16 multiply into
+    the f32 reduction and drops that rounding, even without excess precision."""
+    rnd = round_to(dt)
     s = rnd(mm(q, index_k.astype(dt), "bthd,bcd->bthc"))
-    s = rnd(jnp.maximum(s, 0) * w[..., None].astype(F32))
-    s = rnd(jnp.sum(s, axis=2))
-    C = index_k.shape[1]
+    return rnd(jnp.maximum(s, 0) * w[..., None].astype(F32))
+
+
+def visible_scores(s, qpos, ratio: int):
+    """Scores [B,T,C] with the entries a row cannot reach yet (position >= (t+1)//ratio) set to -inf."""
+    C = s.shape[-1]
     vis = jnp.arange(C)[None, None, :] < ((qpos + 1) // ratio)[..., None]
     return jnp.where(vis, s, NEG_INF)
 
 
-def _round_to(dt):
+def index_scores(cfg, p, x, qr, qpos, index_k, ratio: int, freqs, lin=linear):
+    """Lightning-indexer scores [B,T,C] over every cache entry; unreachable entries are -inf. The reference
+    rounds to bf16 after the dot, after relu(s) * w and after the head sum."""
+    dt = cdtype(cfg)
+    q, w = index_query(cfg, p, x, qr, qpos, freqs, lin)
+    return visible_scores(round_to(dt)(jnp.sum(index_head_terms(q, w, index_k, dt), axis=2)), qpos, ratio)
+
+
+def round_to(dt):
     """f32 -> f32 rounded to `dt`'s precision (round to nearest even), kept as f32; identity for f32."""
     if dt == F32:
         return lambda v: v.astype(F32)
@@ -186,24 +197,37 @@ def _round_to(dt):
     return lambda v: jax.lax.reduce_precision(v.astype(F32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
 
 
+def candidate_block_ids(scores_full, visible, *, n_keep: int, block_size: int):
+    """The layer-20 candidate filter on full-scan scores [B,T,C] -> ascending block ids [B,T,n_keep], -1 padded.
+
+    Block score = max of its `block_size` entries; the block holding the newest visible entry (visible - 1) is
+    forced in with +inf; the top n_keep blocks by score are kept (ties: lower block first, as lax.top_k); blocks
+    whose score is -inf are dropped."""
+    B, T, C = scores_full.shape
+    pad = -C % block_size
+    sc = jnp.pad(scores_full, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
+    nb = (C + pad) // block_size
+    blk = jnp.max(sc.reshape(B, T, nb, block_size), axis=-1)
+    last = (visible.astype(jnp.int32) - 1) // block_size
+    blk = jnp.where(jnp.arange(nb)[None, None] == last[..., None], jnp.inf, blk)
+    kb = min(n_keep, nb)
+    vals, idx = jax.lax.top_k(blk, kb)
+    ids = jnp.sort(jnp.where(vals > NEG_INF, idx, nb), axis=-1)
+    ids = jnp.where(ids == nb, -1, ids).astype(jnp.int32)
+    if kb < n_keep:
+        ids = jnp.pad(ids, [(0, 0), (0, 0), (0, n_keep - kb)], constant_values=-1)
+    return ids
+
+
 def candidate_blocks(cfg, scores, qpos, ratio: int):
-    """Layer-20 block filter: block score = max over blocks of `candidate_block_size` entries, the block
-    holding the newest reachable entry forced in, top `candidate_topk_blocks` blocks kept (-inf dropped).
-    Returns a block mask [B,T,n_blocks]."""
+    """`candidate_block_ids` as a block mask [B,T,n_blocks] (the XLA branch's carry)."""
     bs = cfg.candidate_block_size
     B, T, C = scores.shape
-    pad = -C % bs
-    sc = jnp.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
-    nb = (C + pad) // bs
-    blk = jnp.max(sc.reshape(B, T, nb, bs), axis=-1)
-    last = ((qpos + 1) // ratio - 1) // bs
-    blk = jnp.where(jnp.arange(nb)[None, None] == last[..., None], jnp.inf, blk)
-    kb = min(cfg.candidate_topk_blocks, nb)
-    vals, idx = jax.lax.top_k(blk, kb)
-    keep = jnp.zeros((B, T, nb), bool)
+    nb = -(-C // bs)
+    ids = candidate_block_ids(scores, (qpos + 1) // ratio, n_keep=min(cfg.candidate_topk_blocks, nb), block_size=bs)
     bi = jnp.arange(B)[:, None, None]
     ti = jnp.arange(T)[None, :, None]
-    return keep.at[bi, ti, idx].set(vals > NEG_INF)
+    return jnp.zeros((B, T, nb), bool).at[bi, ti, jnp.where(ids >= 0, ids, nb)].set(True, mode="drop")
 
 
 def select_topk(cfg, scores, qpos, ratio: int):
@@ -220,3 +244,28 @@ def mask_to_candidates(scores, block_mask, bs: int):
     C = scores.shape[-1]
     m = jnp.repeat(block_mask, bs, axis=-1)[..., :C]
     return jnp.where(m, scores, NEG_INF)
+
+
+def select_topk_entries(scores, blocks, visible, *, k: int):
+    """Top-k entries of block-subset scores [B,T,nb*bs] (as the Pallas indexer returns them for `blocks`
+    [B,T or 1,nb]) -> entry ids [B,T,k] ascending, -1 padded (unreachable / -inf picks).
+
+    Ties go to the lower entry index, as lax.top_k on the full masked score row. Equals
+    select_topk(mask_to_candidates(full_scores, mask)) with k = min(index_topk, C) whenever a query with fewer
+    than k finite candidates has no visible entry outside its candidates; this holds when the candidates come from
+    candidate_block_ids and k <= (n_keep - 1) * bs + 1 (every config: 512 <= 16377)."""
+    B, T, E = scores.shape
+    nb = blocks.shape[-1]
+    bs = E // nb
+    blocks = jnp.broadcast_to(blocks, (B, T, nb)).astype(jnp.int32)
+    kk = min(k, E)
+    vals, col = jax.lax.top_k(scores, kk)  # columns are in ascending entry order (blocks ascending)
+    blk = jnp.take_along_axis(blocks, col // bs, axis=-1)
+    ent = blk * bs + col % bs
+    ok = (vals > NEG_INF) & (blk >= 0) & (ent < visible[..., None])
+    big = jnp.iinfo(jnp.int32).max
+    ent = jnp.sort(jnp.where(ok, ent, big), axis=-1)
+    ent = jnp.where(ent == big, -1, ent).astype(jnp.int32)
+    if kk < k:
+        ent = jnp.pad(ent, [(0, 0), (0, 0), (0, k - kk)], constant_values=-1)
+    return ent

@@ -63,11 +63,9 @@ def hc_logits(cfg, x, fn):
     return mm(xf, fn.astype(F32), "...i,oi->...o") * r
 
 
-def hc_mixes(cfg, x, fn, scale, base):
-    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
-    hc = cfg.hc_mult
-    m = hc_logits(cfg, x, fn)
-    eps = cfg.hc_eps
+def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float):
+    """The mixing logits m [..., (2+hc)*hc] f32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]
+    (Sinkhorn-normalised): the one jnp reference, also the oracle of the Pallas kernel (pallas_kernels/mhc)."""
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
@@ -79,8 +77,14 @@ def hc_mixes(cfg, x, fn, scale, base):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-    c = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, c)
+    c = jax.lax.fori_loop(0, iters - 1, sinkhorn, c)
     return pre, post, c
+
+
+def hc_mixes(cfg, x, fn, scale, base):
+    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
+    return hc_coefficients(hc_logits(cfg, x, fn), scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
+                           eps=cfg.hc_eps)
 
 
 def hc_pre(x, pre):
@@ -103,6 +107,33 @@ def gate(cfg, p, x):
     if cfg.norm_topk_prob and cfg.n_activated_experts > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return w * cfg.route_scale, idx
+
+
+@jax.custom_vjp
+def _bias_signal(w, bias, signal):
+    """Identity on w; sends `signal` to the gate bias's gradient slot (whatever the loss)."""
+    return w
+
+
+def _bias_signal_fwd(w, bias, signal):
+    return w, signal
+
+
+def _bias_signal_bwd(signal, g):
+    return g, signal, jnp.zeros_like(signal)
+
+
+_bias_signal.defvjp(_bias_signal_fwd, _bias_signal_bwd)
+
+
+def balanced_gate(cfg, p, x):
+    """`gate` for training with auxiliary-loss-free balancing (DeepSeek-V3's rule; ops.TrainHooks.balance): the
+    same routing, and the gate bias's gradient slot receives the batch's expert load fraction minus 1/E (the
+    trainer moves the bias by -gamma * sign of it; the bias only picks experts, so it has no gradient of its own)."""
+    w, idx = gate(cfg, p, x)
+    E = cfg.n_routed_experts
+    load = jnp.sum(jax.nn.one_hot(idx, E, dtype=F32), axis=tuple(range(idx.ndim))) / idx.size
+    return _bias_signal(w, p["bias"], jax.lax.stop_gradient(load - 1.0 / E).astype(p["bias"].dtype)), idx
 
 
 def swiglu(cfg, g, u):
@@ -150,8 +181,9 @@ def routed_experts(cfg, p, x, weights, idx):
     return jnp.zeros((N, D), F32).at[tok].add(out.astype(F32))
 
 
-def moe(cfg, p, x, lin=linear, experts=routed_experts):
-    """`lin` / `experts` are the GEMM implementations (the ops seam passes its own; these are the references)."""
+def moe(cfg, p, x, lin=linear, experts=routed_experts, gate=gate):
+    """`lin` / `experts` are the GEMM implementations (the ops seam passes its own; these are the references);
+    `gate` the router (`balanced_gate` under the training hooks)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     w, idx = gate(cfg, materialize(p["gate"]), x2)

@@ -8,26 +8,30 @@
 With n_dec = T this is the plain causal LM; with n_dec = n_win it is the CED prefill (the decoder's SWA is
 clipped at `dec_clip`); with T = 1 it is a decode step.
 
-State (dense, one row per sequence; the serving engine keeps the same arrays paged):
-  swa [L,B,W,d]                SWA rings (slot = position % W), values already FP8-qdq'd
-  comp_kv / comp_score         [n_r2,B,2,d] f32: partial ratio-2 groups of the ratio-2 KV sources
-  lat_r{r} [n,B,C,d]           global KV latents of the ratio-r sources (RoPE'd, FP4-qdq'd); C = max_len / r
-  idx_r{r} [n,B,C,di]          index keys of the same sources (FP4-qdq'd)
+State: a `dsv41_jax.kv_cache.KVState` (typed pytree; `init_state` makes the dense one, one row per sequence;
+the serving engine keeps the same values paged and packed):
+  swa   SwaRings [L,B,W,d] (slot = position % W, values already FP8-qdq'd) or the engine's packed SwaPool
+  glob  DenseGlobal: lat[r] [n,B,C,d] global KV latents of the ratio-r sources (RoPE'd, FP4-qdq'd; C = max_len
+        / r), idx[r] [n,B,C,di] their index keys (FP4-qdq'd); or the engine's PagedGlobal
+  comp  CompressorCarry [n_r2,B,2,d] f32: partial ratio-2 groups of the ratio-2 KV sources (None: no such source)
 Global-KV writes are skipped for entries whose group starts below `write_from` (a replayed prefix never
-rewrites cached KV). SWA reads are clipped at enc_clip / dec_clip (SWA bounded replay, MODEL.md §5): the
-caller decides both clips (the engine's ChunkPlan, or `paths`); the model applies them as given.
+rewrites cached KV). SWA reads are clipped at enc_clip / dec_clip (SWA bounded replay, docs/ARCHITECTURE.md):
+the caller decides both clips (the engine's ChunkPlan, or `paths`); the model applies them as given.
 
 Inputs are a `ChunkInputs` pytree (named fields, so callers cannot misalign them); the execution context
 (`dsv41_jax.ops.ExecContext`: KV storage strategy, kernel choice, mesh and parallel layout) is static and part
 of the jit key, and every op with a kernel or sharded variant is called through `dsv41_jax.ops` (the model
 only says how tensor parallelism splits a linear: `split="column"` for wq_b, `"row"` for WO-B). Under a
-data-parallel layout the caller runs this step inside `ops.data_parallel`, one rank's rows per call; a
-`state["moe_dropped"]` counter, when present, accumulates the rows the DEP capacity dropped.
+data-parallel layout the caller runs this step inside `ops.data_parallel`, one rank's rows per call.
+
+Besides logits and state a step returns `StepAux` (scalars): the rows the DEP capacity dropped, and with the
+training hooks of the context (`ops.TrainHooks`, static) the indexer KL / recall sums of the index-source layers
+(`_indexer_terms`; the trainer in training/objective.py turns them into its loss and metrics).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -36,6 +40,7 @@ import jax.numpy as jnp
 
 from dsv41_jax import attention, layers, ops, quant
 from dsv41_jax.config import KIND_IDX, KIND_REUSE, KIND_SRC, KIND_SWA, ModelConfig
+from dsv41_jax.kv_cache import CompressorCarry, DenseGlobal, KVState, SwaRings
 from dsv41_jax.params import source_slots
 from dsv41_jax.rope import apply_rope, layer_freqs
 from dsv41_jax.schedule import Segment, decoder_schedule, encoder_schedule
@@ -72,10 +77,32 @@ class ChunkInputs:
                            vec(dec_clip), vec(write_from))
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["moe_dropped", "indexer_kl", "indexer_layers",
+                                                       "recall_mass", "recall_random", "recall_rows"], meta_fields=[])
+@dataclass(frozen=True)
+class StepAux:
+    """Scalar side outputs of a step (zeros unless something produced them)."""
+    moe_dropped: jax.Array  # [] int32 routed rows the DEP capacity dropped
+    indexer_kl: jax.Array  # [] f32 sum over index-source layers of the mean KL(attention || indexer) (hooks)
+    indexer_layers: jax.Array  # [] f32 index-source layers that added a KL term (hooks)
+    recall_mass: jax.Array  # [] f32 attention mass the top-k captured, summed over binding rows (hooks)
+    recall_random: jax.Array  # [] f32 the same for a random pick (k / visible entries) (hooks)
+    recall_rows: jax.Array  # [] f32 binding rows counted (more visible entries than k) (hooks)
+
+    @staticmethod
+    def zeros() -> StepAux:
+        z = jnp.zeros((), F32)
+        return StepAux(jnp.zeros((), jnp.int32), z, z, z, z, z)
+
+    def add(self, **terms) -> StepAux:
+        return StepAux(**{k: getattr(self, k) + terms.get(k, 0) for k in self.__dataclass_fields__})
+
+
 class ChunkOutputs(NamedTuple):
     logits: jax.Array | None  # [B, n_logits, V] f32 of the last n_logits valid rows (None: no decoder rows)
-    state: dict  # the updated state
+    state: KVState  # the updated state
     topk: dict  # index-source layer -> its top-k [B, rows, k] (the rows that layer ran on)
+    aux: StepAux  # scalar side outputs (DEP drops, training terms)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["qpos", "pos0", "clip", "write_from", "n_valid"],
@@ -96,23 +123,23 @@ def buffer_len(cfg: ModelConfig, max_len: int, ratio: int) -> int:
     return max(max_len // ratio, 1)
 
 
-def init_state(cfg: ModelConfig, batch: int, max_len: int | None = None) -> dict:
-    """Dense per-sequence state (DenseKV) for `batch` sequences of up to max_len tokens."""
+def init_state(cfg: ModelConfig, batch: int, max_len: int | None = None) -> KVState:
+    """Dense per-sequence state (SwaRings + DenseGlobal) for `batch` sequences of up to max_len tokens."""
     max_len = max_len or cfg.max_seq_len
     dt = layers.cdtype(cfg)
     _, counts = source_slots(cfg)
-    st = {"swa": jnp.zeros((cfg.n_layers, batch, cfg.window_size, cfg.head_dim), dt)}
+    lat, idx, comp = {}, {}, None
     for key, n in counts.items():
         if not key.startswith("src"):
             continue
         r = int(key[-1])
         C = buffer_len(cfg, max_len, r)
-        st[f"lat_r{r}"] = jnp.zeros((n, batch, C, cfg.head_dim), dt)
-        st[f"idx_r{r}"] = jnp.zeros((n, batch, C, cfg.index_head_dim), dt)
+        lat[r] = jnp.zeros((n, batch, C, cfg.head_dim), dt)
+        idx[r] = jnp.zeros((n, batch, C, cfg.index_head_dim), dt)
         if r > 1:
-            st["comp_kv"] = jnp.zeros((n, batch, r, cfg.head_dim), F32)
-            st["comp_score"] = jnp.full((n, batch, r, cfg.head_dim), -jnp.inf, F32)
-    return st
+            comp = CompressorCarry(jnp.zeros((n, batch, r, cfg.head_dim), F32),
+                                   jnp.full((n, batch, r, cfg.head_dim), -jnp.inf, F32))
+    return KVState(SwaRings.init(cfg, batch, dt), DenseGlobal(lat, idx), comp)
 
 
 def _take(tree, i):
@@ -125,7 +152,7 @@ def _put(a, i, v):
 
 # ----------------------------------------------------------------------------- one layer
 def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot, x, state, shared, rows: _Rows,
-               forced):
+               forced, aux: StepAux):
     B, T, _ = x.shape
     H, d = cfg.n_heads, cfg.head_dim
     ratio = seg.ratio
@@ -136,7 +163,7 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
     kv = apply_rope(layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wkv"], x), ap["kv_norm"]), rows.qpos, freqs)
     if cfg.qdq:
         kv = quant.fp8_qdq(kv, 32)
-    topk, sel, src = None, None, None
+    topk, sel, src = None, None, shared["src"]
     if ratio:
         if kind == KIND_SRC:
             shared = dict(shared, src=jnp.asarray(slot, jnp.int32))
@@ -148,62 +175,110 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
             if forced is not None:
                 topk = forced
             else:
-                topk, cand = ops.indexer(ex, cfg, ip, x, qr, rows.qpos, state, ratio, src, freqs,
-                                         cand_source=seg.cand_source, uses_cand=seg.uses_cand, cand=shared["cand"])
+                a = ops.IndexerInputs(x=x, qr=qr, qpos=rows.qpos, src=src, cand=shared["cand"], freqs=freqs,
+                                      ratio=ratio, cand_source=seg.cand_source, uses_cand=seg.uses_cand)
+                topk, cand = ops.indexer(ex, cfg, ip, a, state)
                 shared = dict(shared, cand=cand)
             shared = dict(shared, topk=topk)
+            if ex.hooks is not None and ex.hooks.indexer_stride:
+                aux = _indexer_terms(cfg, ex, seg, params, lp, slot, x, state, src, rows.qpos, topk, aux)
         sel = shared["topk"]
     # window (ring before this chunk + the chunk) and selected latents, then the chunk enters the ring
-    o = ops.csa_attention(ex, cfg, q, kv, state, l, rows.qpos, rows.pos0, rows.clip, rows.fresh, sel, ratio, src,
-                          ap["attn_sink"])
+    a = ops.AttentionOperands(q=q, chunk_kv=kv, pos0=rows.pos0, clip=rows.clip, sel=sel, sink=ap["attn_sink"],
+                              layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh)
+    o = ops.csa_attention(ex, cfg, a, state)
     state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
     o = apply_rope(o, rows.qpos, freqs, inverse=True)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
-    return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, topk
+    return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, aux, topk
 
 
-def _build_global(cfg, ex, params, slot, ratio, x, state, rows: _Rows):
+def _indexer_terms(cfg, ex, seg, params, lp, slot, x, state, src, qpos, topk, aux: StepAux) -> StepAux:
+    """Training hook (ops.TrainHooks.indexer_stride): the indexer KL term and its recall for one index-source
+    layer, on every stride-th query row. The target p is the layer's own dense attention over the visible
+    compressed entries (softmax of q . latent per head, averaged over heads; no gradient); the KL is
+    KL(p || softmax(index scores)), and only the indexer's query side (wq_b, weights_proj) gets its gradient: x,
+    q, the latents and the index keys are stop-gradient. Recall: the attention mass the top-k captures on rows
+    with more visible entries than k, against k / visible entries for a random pick."""
+    sg = jax.lax.stop_gradient
+    B, T, _ = x.shape
+    H, d, r = cfg.n_heads, cfg.head_dim, seg.ratio
+    s = max(1, min(ex.hooks.indexer_stride, T))
+    x, qpos = sg(x[:, s - 1::s]), qpos[:, s - 1::s]
+    Ts = x.shape[1]
+    freqs = jnp.asarray(layer_freqs(cfg, r))
+    ap = sg(lp["attn"])
+    qr = sg(layers.rms_norm(cfg, layers.linear(cfg, ap["wq_a"], x), ap["q_norm"]))
+    q = apply_rope(layers.linear(cfg, ap["wq_b"], qr).reshape(B, Ts, H, d), qpos, freqs)
+    lat = sg(ex.kv.all_latents(state.glob, r, src))  # [B,C,d]
+    keys = sg(ex.kv.index_keys(state.glob, r, src))
+    C = lat.shape[1]
+    vis = jnp.arange(C)[None, None] < ((qpos + 1) // r)[..., None]  # [B,Ts,C]
+    nvis = jnp.sum(vis, axis=-1)
+    ok = nvis > 0
+    att = jnp.einsum("bthd,bcd->bthc", sg(q).astype(F32), lat.astype(F32),
+                     precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+    att = jnp.where(vis[:, :, None] & ok[..., None, None], att, -1e30)
+    p = sg(jnp.where(vis, jnp.mean(jax.nn.softmax(att, axis=-1), axis=2), 0.0))  # [B,Ts,C]
+    ip = _take(params[seg.stack]["indexer"], slot)
+    scores = attention.index_scores(cfg, ip, x, qr, qpos, keys, r, freqs)
+    logq = jax.nn.log_softmax(jnp.where(vis & ok[..., None], scores, -1e30), axis=-1)
+    kl = jnp.sum(jnp.where(vis & (p > 0), p * (jnp.log(jnp.maximum(p, 1e-30)) - logq), 0.0), axis=-1)
+    okf = ok.astype(F32)
+    aux = aux.add(indexer_kl=jnp.sum(kl * okf) / jnp.maximum(jnp.sum(okf), 1.0), indexer_layers=1.0)
+    if topk is None:
+        return aux
+    sel = topk[:, s - 1::s]  # [B,Ts,k]
+    mass = jnp.sum(jnp.where(sel >= 0, jnp.take_along_axis(p, jnp.maximum(sel, 0), axis=-1), 0.0), axis=-1)
+    k = sel.shape[-1]
+    bind = nvis > k  # rows where the top-k really selects
+    return aux.add(recall_mass=jnp.sum(jnp.where(bind, mass, 0.0)),
+                   recall_random=jnp.sum(jnp.where(bind, k / jnp.maximum(nvis, 1), 0.0)),
+                   recall_rows=jnp.sum(bind).astype(F32))
+
+
+def _build_global(cfg, ex, params, slot, ratio, x, state: KVState, rows: _Rows) -> KVState:
     """A KV source's compressor + index keys for this chunk, written into its global buffers."""
     sp = _take(params[f"src_r{ratio}"], slot)
     freqs = jnp.asarray(layer_freqs(cfg, ratio))
     if ratio > 1:
-        ck = jax.lax.dynamic_index_in_dim(state["comp_kv"], slot, keepdims=False)
-        cs = jax.lax.dynamic_index_in_dim(state["comp_score"], slot, keepdims=False)
+        ck = jax.lax.dynamic_index_in_dim(state.comp.kv, slot, keepdims=False)
+        cs = jax.lax.dynamic_index_in_dim(state.comp.score, slot, keepdims=False)
     else:
         ck = cs = None
     lat, j, ok, ck, cs = attention.compress(cfg, sp["compressor"], x, rows.qpos, rows.pos0, rows.n_valid, ratio,
                                            ck, cs)
     lat, k = attention.build_entries(cfg, sp["compressor"], sp["indexer"], lat, j, ratio, freqs)
     ok = ok & (j * ratio >= rows.write_from[:, None])
-    state = ex.kv.write(state, ratio, slot, lat, k, j, ok)
+    state = replace(state, glob=ex.kv.write(state.glob, ratio, slot, lat, k, j, ok))
     if ratio > 1:
-        state = dict(state, comp_kv=_put(state["comp_kv"], slot, ck), comp_score=_put(state["comp_score"], slot, cs))
+        state = replace(state, comp=CompressorCarry(_put(state.comp.kv, slot, ck), _put(state.comp.score, slot, cs)))
     return state
 
 
 def _block(cfg, ex, seg, kind, params, l, slot, carry, rows, forced):
     """One transformer block with single-pass mHC (the attention uses the previous block's FFN pre-mix)."""
-    h, pre, state, shared = carry
+    h, pre, state, shared, aux = carry
     lref = LayerRef(params["layers"], l)
     lp = lref.get()  # slices the GEMMs read through `lref` instead are removed by XLA
     a_pre, a_post, a_comb = ops.hc_mixes(ex, cfg, h, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
     x = layers.rms_norm(cfg, layers.hc_pre(h, pre), lp["attn_norm"])
-    o, state, shared, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, state, shared, rows,
-                                        forced)
+    o, state, shared, aux, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, state, shared,
+                                             rows, forced, aux)
     h = layers.hc_post(o, h, a_post, a_comb)
     f_pre, f_post, f_comb = ops.hc_mixes(ex, cfg, h, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
     x = layers.rms_norm(cfg, layers.hc_pre(h, a_pre), lp["ffn_norm"])
     valid = (rows.qpos - rows.pos0[:, None]) < rows.n_valid[:, None]  # padding rows: never dispatched (DEP)
     y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid)
     h = layers.hc_post(y, h, f_post, f_comb)
-    return (h, f_pre, state if ex.parallel is None else ops.count_dropped(state, dropped), shared), topk
+    return (h, f_pre, state, shared, aux if ex.parallel is None else aux.add(moe_dropped=dropped)), topk
 
 
 def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced: dict | None):
-    h, pre, state, shared = carry
+    h, pre, state, shared, aux = carry
     if seg.engram_slot >= 0:
         h = ops.engram(ex, cfg, params["engram"][seg.engram_slot], h, engram_ids[:, :, seg.engram_slot])
-        carry = (h, pre, state, shared)
+        carry = (h, pre, state, shared, aux)
     n = len(seg.firsts)
     xs = {"first": jnp.asarray(seg.firsts, jnp.int32), "slot": jnp.asarray(seg.slots, jnp.int32)}
     if seg.n_reuse:
@@ -233,13 +308,13 @@ def _shared_init(cfg, ex, state, B, T, ratio):
     if not ratio:
         return {"topk": jnp.zeros((B, T, 1), jnp.int32), "cand": jnp.zeros((B, T, 1), bool),
                 "src": jnp.zeros((), jnp.int32)}
-    C = ex.kv.capacity(state, ratio)
+    C = ex.kv.capacity(state.glob, ratio)
     k = min(cfg.index_topk, C)
     return {"topk": jnp.full((B, T, k), -1, jnp.int32), "cand": ops.empty_candidates(ex, cfg, B, T, C),
             "src": jnp.zeros((), jnp.int32)}
 
 
-def _run_band(cfg, ex, segs, params, h, pre, state, rows, engram_ids, forced):
+def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, forced):
     if len({s.ratio for s in segs if s.ratio}) > 1:
         raise ValueError("every compressed segment of a band must share one compress ratio")
     B, T = h.shape[:2]
@@ -250,13 +325,13 @@ def _run_band(cfg, ex, segs, params, h, pre, state, rows, engram_ids, forced):
         if seg.ratio != ratio or shared is None:
             ratio = seg.ratio
             shared = _shared_init(cfg, ex, state, B, T, ratio)
-        (h, pre, state, shared), r = _run_segment(cfg, ex, seg, params, (h, pre, state, shared), rows, engram_ids,
-                                                   forced)
+        (h, pre, state, shared, aux), r = _run_segment(cfg, ex, seg, params, (h, pre, state, shared, aux), rows,
+                                                        engram_ids, forced)
         rec.update(r)
-    return h, pre, state, rec
+    return h, pre, state, aux, rec
 
 
-def step_impl(cfg: ModelConfig, params, state, inp: ChunkInputs, *, fresh: bool, n_dec: int, n_logits: int,
+def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fresh: bool, n_dec: int, n_logits: int,
               ex: ops.ExecContext = ops.DEFAULT, forced_topk: dict | None = None) -> ChunkOutputs:
     """One chunk step; see the module docstring.
 
@@ -272,7 +347,8 @@ def step_impl(cfg: ModelConfig, params, state, inp: ChunkInputs, *, fresh: bool,
     pre = jnp.zeros((B, T, cfg.hc_mult), F32).at[..., 0].set(1.0)
     rows = _Rows(qpos, inp.pos0, inp.enc_clip, inp.write_from, inp.n_valid, fresh)
     enc, dec = encoder_schedule(cfg), decoder_schedule(cfg)
-    h, pre, state, rec = _run_band(cfg, ex, enc, params, h, pre, state, rows, inp.engram_ids, forced_topk)
+    h, pre, state, aux, rec = _run_band(cfg, ex, enc, params, h, pre, state, StepAux.zeros(), rows, inp.engram_ids,
+                                        forced_topk)
     if not dec:
         start = jnp.zeros((B,), jnp.int32)
     else:
@@ -281,7 +357,7 @@ def step_impl(cfg: ModelConfig, params, state, inp: ChunkInputs, *, fresh: bool,
         x = layers.rms_norm(cfg, layers.hc_pre(h, pre), lp["attn_norm"])
         state = _build_global(cfg, ex, params, source_slots(cfg)[0][l][1], cfg.compress_ratios[l], x, state, rows)
         if n_dec == 0:  # a non-final CED chunk: the encoder band and the decoder's global-KV build only
-            return ChunkOutputs(None, state, rec)
+            return ChunkOutputs(None, state, rec, aux)
         start = jnp.maximum(inp.n_valid - n_dec, 0)
         sel_rows = start[:, None] + jnp.arange(n_dec)[None]
         h = jnp.take_along_axis(h, sel_rows[:, :, None, None], axis=1)
@@ -292,7 +368,7 @@ def step_impl(cfg: ModelConfig, params, state, inp: ChunkInputs, *, fresh: bool,
         if forced_topk is not None:
             dforced = {k: jnp.take_along_axis(v, jnp.clip(sel_rows, 0, v.shape[1] - 1)[..., None], axis=1)
                        for k, v in forced_topk.items()}
-        h, pre, state, rec_d = _run_band(cfg, ex, dec, params, h, pre, state, drows, None, dforced)
+        h, pre, state, aux, rec_d = _run_band(cfg, ex, dec, params, h, pre, state, aux, drows, None, dforced)
         rec.update(rec_d)
     last = inp.n_valid - start - 1  # last valid row within h
     if n_logits == h.shape[1]:  # every (decoder) row, in order
@@ -303,7 +379,7 @@ def step_impl(cfg: ModelConfig, params, state, inp: ChunkInputs, *, fresh: bool,
     ps = jnp.take_along_axis(pre, lrows[:, :, None], axis=1)
     x = layers.rms_norm(cfg, layers.hc_pre(hs, ps), params["norm"]["weight"])
     logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
-    return ChunkOutputs(logits, state, rec)
+    return ChunkOutputs(logits, state, rec, aux)
 
 
 step = partial(jax.jit, static_argnames=("cfg", "fresh", "n_dec", "n_logits", "ex"))(step_impl)

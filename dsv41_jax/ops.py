@@ -2,10 +2,18 @@
 or a sharded variant, and the only module of the model package that may import `pallas_kernels`.
 
 `ExecContext` is the frozen execution context of a compiled program: the global-KV storage strategy
-(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas") and the device mesh with its
-parallel layout (`dsv41_jax.sharding.Parallel`: TP or DP/DEP; None: one device, no mesh at all). It is
-hashable and passed as a static argument, so it is part of every jit key: two contexts never share a
-compiled program, and nothing is chosen by environment variables or at import time.
+(dense buffers or the paged pool), the kernel implementation ("xla" | "pallas"), the device mesh with its
+parallel layout (`dsv41_jax.sharding.Parallel`: TP or DP/DEP; None: one device, no mesh at all) and the
+training hooks (`TrainHooks`; None when serving). It is hashable and passed as a static argument, so it is
+part of every jit key: two contexts never share a compiled program, and nothing is chosen by environment
+variables or at import time.
+
+Operands travel as one typed pytree per op boundary: `AttentionOperands` (the kernel package's
+SparseAttentionOperands) and `IndexerInputs`, built by the model, passed whole through this seam and the
+shard_map of dsv41_jax.parallel (specs from the fields) to the implementation; the KV state is a typed
+`kv_cache.KVState` whose SWA / global parts are read and written by their strategies (no branch on which keys
+a state holds). Adding an attention operand touches the model (producer) and the kernel (and the XLA branch
+here when the reference reads it), nothing in between.
 
 Every op below takes the context first. Its XLA branch is the reference (the functions of `layers` /
 `attention` / `kv_cache`), and it is the default. A Pallas branch exists only where `PALLAS_OPS` has an
@@ -27,10 +35,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 
 from dsv41_jax import attention as attn
 from dsv41_jax import layers, parallel, quant
-from dsv41_jax.kv_cache import DenseKV
+from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.weights import LayerRef, materialize
@@ -41,6 +50,26 @@ from pallas_kernels import sparse_attention as attn_kernel
 
 KERNEL_CHOICES = ("xla", "pallas")
 F32, BF16 = jnp.float32, jnp.bfloat16
+
+# One CSA2 attention call's operands (model -> ops -> shard_map -> kernel): see
+# pallas_kernels/sparse_attention/operands.py.
+AttentionOperands = attn_kernel.SparseAttentionOperands
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["x", "qr", "qpos", "src", "cand", "freqs"],
+         meta_fields=["ratio", "cand_source", "uses_cand"])
+@dataclass(frozen=True, kw_only=True)
+class IndexerInputs:
+    """One index-source layer's indexer operands (model -> ops); the ops branch computes the index queries."""
+    x: jax.Array  # [B, T, D] the attention input (after attn_norm)
+    qr: jax.Array  # [B, T, q_lora_rank] the normed low-rank query
+    qpos: jax.Array  # [B, T] int32 positions of the rows
+    src: jax.Array  # [] int32 KV source slot whose index keys are scored
+    cand: jax.Array  # the candidate carry: block mask [B, T, nb] (XLA) / block ids [B, T, n_keep] (Pallas)
+    freqs: jax.Array  # [rope_dim / 2] f32 the layer's RoPE frequencies
+    ratio: int  # compress ratio of the source
+    cand_source: bool  # this layer computes the candidate blocks
+    uses_cand: bool  # this layer (Reindex) scores only the candidate blocks
 
 
 # ----------------------------------------------------------------------------- Pallas implementations
@@ -102,53 +131,39 @@ def _pallas_grouped_out_proj(cfg, w, o):
     return y.astype(o.dtype).reshape(G, B, T, -1).transpose(1, 2, 0, 3)
 
 
-def _pallas_indexer(cfg, kv, p, x, qr, qpos, state, ratio, src, freqs, cand_source, uses_cand, cand):
+def _pallas_indexer(cfg, kv: PagedKV, p, a: IndexerInputs, state: KVState):
     """Score paged FP4 index keys in place: every block at full-scan layers, only the candidate blocks at the
     Reindex layers (cost flat in the context); the selection rules are the reference's."""
-    if not getattr(kv, "paged", False):
+    if not kv.paged:
         raise ValueError("the Pallas indexer reads the paged global KV (PagedKV)")
-    q, w = attn.index_query(cfg, p, x, qr, qpos, freqs, lin=_pallas_linear)
-    visible = (qpos + 1) // ratio
-    C = kv.capacity(state, ratio)
+    q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
+    visible = (a.qpos + 1) // a.ratio
+    C = kv.capacity(state.glob, a.ratio)
     bs = cfg.candidate_block_size
-    B, T = qpos.shape
-    blocks = cand if uses_cand else jnp.broadcast_to(jnp.arange(-(-C // bs), dtype=jnp.int32), (B, 1, -(-C // bs)))
-    region = kv.region_offset("idx", ratio, src)
-    scores = index_kernel.index_scores_paged(q, w, state["pages"], state["page_table"], blocks, visible, region,
-                                             ratio=ratio, block_size=bs)
-    if cand_source:
-        cand = index_kernel.candidate_block_ids(scores, visible, n_keep=cfg.candidate_topk_blocks, block_size=bs)
-    topk = index_kernel.select_topk_entries(scores, blocks, visible, k=min(cfg.index_topk, C))
+    B, T = a.qpos.shape
+    nb = -(-C // bs)
+    blocks = a.cand if a.uses_cand else jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, 1, nb))
+    scores = index_kernel.index_scores_paged(
+        index_kernel.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=a.ratio, block_size=bs),
+        index_kernel.PagedIndexKV(pages=state.glob.pages, page_table=state.glob.page_table,
+                                  region=kv.region_offset("idx", a.ratio, a.src), page_tokens=kv.layout.page_tokens,
+                                  entry_bytes=kv.layout.entry_bytes("idx")))
+    cand = a.cand
+    if a.cand_source:
+        cand = attn.candidate_block_ids(scores, visible, n_keep=cfg.candidate_topk_blocks, block_size=bs)
+    topk = attn.select_topk_entries(scores, blocks, visible, k=min(cfg.index_topk, C))
     return topk, cand
 
 
-def _pallas_attention(cfg, kv_store, q, kv, state, l, pos0, clip, sel, ratio, src, sink):
-    """Reads the packed FP8 rings (state["swa_pool"] [L, R, W, e], rows state["slots"]) and the FP4 latents
-    straight from the page pool."""
-    if "swa_pool" not in state or not getattr(kv_store, "paged", False):
-        raise ValueError("the Pallas attention reads the engine's packed SWA rings and paged global KV")
-    d = q.shape[-1]
-    region = kv_store.region_offset("lat", ratio, src) if sel is not None else jnp.int32(0)
-    return attn_kernel.paged_sparse_attention(q, kv, state["swa_pool"], l, state["slots"], pos0, clip,
-                                              state["pages"], state["page_table"], sel, region, sink,
-                                              ratio=max(ratio, 1), scale=d ** -0.5)
-
-
-def _pallas_ring_write(cfg, state, l, kv, pos0, n_valid):
-    """Write the chunk's last min(W, n_valid) rows (FP8 + UE8M0 bytes) into the packed ring pool in place."""
-    pool, slots = state["swa_pool"], state["slots"]
-    B, T, d = kv.shape
-    W = cfg.window_size
-    q8, codes = quant.fp8_pack(kv, 32)
-    entry = jnp.concatenate([q8, codes], axis=-1)  # [B, T, e]
-    i = jnp.arange(T)[None]
-    keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - W)  # later rows of one slot win: write each once
-    pos = pos0[:, None] + i
-    ring_idx = jnp.where(keep, jnp.mod(pos, W), W)  # W is out of bounds: dropped
-    slot_idx = jnp.broadcast_to(slots[:, None], (B, T))
-    layer = jnp.full((B, T), l, jnp.int32)
-    pool = pool.at[layer, slot_idx, ring_idx].set(entry, mode="drop")
-    return dict(state, swa_pool=pool)
+def _pallas_attention(cfg, kv: PagedKV, a: AttentionOperands, state: KVState):
+    """Reads the packed FP8 rings (a SwaPool) and the FP4 latents straight from the page pool."""
+    if not isinstance(state.swa, SwaPool) or not kv.paged:
+        raise ValueError("the Pallas attention reads the engine's packed SWA rings (SwaPool) and paged global KV")
+    region = kv.region_offset("lat", a.ratio, a.src) if a.sel is not None else jnp.int32(0)
+    view = attn_kernel.PagedAttentionKV(ring=state.swa.pool, ring_slot=state.swa.slots, pages=state.glob.pages,
+                                        page_table=state.glob.page_table, region=region,
+                                        page_tokens=kv.layout.page_tokens, entry_bytes=kv.layout.entry_bytes("lat"))
+    return attn_kernel.paged_sparse_attention(a, view, scale=a.q.shape[-1] ** -0.5)
 
 
 def _pallas_hc_mixes(cfg, x, fn, scale, base):
@@ -169,6 +184,12 @@ PALLAS_OPS: dict[str, object] = {
 
 def missing_pallas_ops() -> list[str]:
     return [name for name, impl in PALLAS_OPS.items() if impl is None]
+
+
+def swa_layout(ex: ExecContext):
+    """The SWA-ring strategy a compiled engine program uses with this context: the Pallas kernels read and write
+    the packed pool in place (SwaPool); the XLA ops read per-sequence rings unpacked once per call (SwaRings)."""
+    return SwaPool if ex.pallas else SwaRings
 
 
 def pallas_config_problems(cfg) -> list[str]:
@@ -195,12 +216,31 @@ def check_kernels(kernels: str):
                              + " (use --kernels xla)")
 
 
+def check_kernels_with_parallel(kernels: str, parallel: Parallel | None):
+    """The one home of the rule that the Pallas kernels do not run under tensor parallelism (the engine's config
+    calls it too): raise ValueError if `kernels` cannot run with `parallel`."""
+    if kernels == "pallas" and parallel is not None and parallel.mode == "tp":
+        raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split "
+                         "mode yet (use --kernels xla, or --data-parallel-size)")
+
+
+@dataclass(frozen=True)
+class TrainHooks:
+    """Training-only behaviour of the model step (static, part of the jit key; None in serving):
+    balance: the gate's bias gets the batch's expert-load signal through its gradient slot (layers.balanced_gate);
+    indexer_stride > 0: each index-source layer adds the indexer KL / recall terms of every stride-th query row
+    to the step's auxiliary output (model.StepAux)."""
+    balance: bool = True
+    indexer_stride: int = 0
+
+
 @dataclass(frozen=True)
 class ExecContext:
-    kv: object = DenseKV()  # global-KV storage: DenseKV (per-sequence buffers) or PagedKV (the page pool)
+    kv: DenseKV | PagedKV = DenseKV()  # global-KV storage: per-sequence buffers or the page pool
     kernels: str = "xla"
-    mesh: object = None  # jax Mesh (or AbstractMesh, for lowering only) of `parallel`; None: one device
+    mesh: Mesh | AbstractMesh | None = None  # the mesh of `parallel` (AbstractMesh: lowering only); None: one device
     parallel: Parallel | None = None  # the layout over `mesh` (TP or DP/DEP)
+    hooks: TrainHooks | None = None  # training-only hooks (None: the serving / reference step)
 
     def __post_init__(self):
         check_kernels(self.kernels)
@@ -210,9 +250,7 @@ class ExecContext:
             par = self.parallel
             if tuple(self.mesh.axis_names) != (par.axis,) or self.mesh.shape[par.axis] != par.size:
                 raise ValueError(f"ExecContext: mesh {dict(self.mesh.shape)} does not match {par.describe()}")
-            if par.mode == "tp" and self.pallas:
-                raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split "
-                                 "mode yet (use --kernels xla, or --data-parallel-size)")
+            check_kernels_with_parallel(self.kernels, par)
             if par.ep and par.a2a == "auto":
                 raise ValueError("ExecContext: resolve the all-to-all backend first (Parallel.resolved)")
 
@@ -268,17 +306,18 @@ def moe(ex: ExecContext, cfg, p, x, valid=None):
     valid [B, T] bool marks real rows (DEP never sends the others). Returns (y like x, rows dropped by the DEP
     capacity: int32 scalar, 0 elsewhere)."""
     none = jnp.zeros((), jnp.int32)
+    gate = layers.balanced_gate if ex.hooks is not None and ex.hooks.balance else layers.gate
     if not (ex.tp or ex.ep):
-        return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex)), none
+        return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex), gate=gate), none
     if ex.ep and ex.parallel.size == 1:
         # One rank owns every expert: nothing to exchange, so the single-device MoE runs as is. On one H200 the
         # ragged exchange with itself cost +16% decode ITL and +315% prefill (medium; bench/results/
         # parallel_medium_h200_exchange.json): XLA's ragged_all_to_all is not free even with one peer.
         local = replace(ex, mesh=None, parallel=None)
-        return layers.moe(cfg, p, x, lin=_local_linear(ex), experts=partial(routed_experts, local)), none
+        return layers.moe(cfg, p, x, lin=_local_linear(ex), experts=partial(routed_experts, local), gate=gate), none
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, idx = layers.gate(cfg, materialize(p["gate"]), x2)
+    w, idx = gate(cfg, materialize(p["gate"]), x2)
     if ex.tp:
         y, dropped = parallel.tp_moe(ex, cfg, p, x2, w, idx, _local_linear(ex)), none
     else:
@@ -319,54 +358,41 @@ def hc_mixes(ex: ExecContext, cfg, x, fn, scale, base):
 
 
 # ----------------------------------------------------------------------------- attention and indexer
-def gather_latents(ex: ExecContext, state, ratio: int, src, sel):
-    """The selected compressed latents [B, T, k, d] of a source (sel < 0: garbage, masked by the caller)."""
-    return ex.kv.latents(state, ratio, src, sel)
-
-
-def index_keys(ex: ExecContext, state, ratio: int, src):
-    return ex.kv.index_keys(state, ratio, src)
-
-
-def csa_attention(ex: ExecContext, cfg, q, kv, state, l, qpos, pos0, clip, fresh: bool, sel, ratio: int, src,
-                  sink):
-    """One layer's CSA2 attention core (before the inverse RoPE): q [B,T,H,d] over each row's sliding window
-    (the ring before this chunk + the chunk's own kv [B,T,d], in the reference's list order, clipped at `clip`)
-    followed by its selected compressed latents (sel [B,T,k], -1 = none; None for SWA-only layers).
-    TP: each rank its heads of q and sink, over the replicated window / latents."""
+def csa_attention(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
+    """One layer's CSA2 attention core (before the inverse RoPE): a.q [B,T,H,d] over each row's sliding window
+    (the ring before this chunk + the chunk's own a.chunk_kv [B,T,d], in the reference's list order, clipped at
+    a.clip) followed by its selected compressed latents (a.sel [B,T,k], -1 = none; None for SWA-only layers).
+    TP: each rank its heads of the operands (their `heads` fields), over the replicated window / latents."""
     local = partial(_csa_local, replace(ex, mesh=None, parallel=None))
     if ex.tp:
-        return parallel.tp_attention(ex, local, cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src,
-                                     sink)
-    return local(cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src, sink)
+        return parallel.tp_attention(ex, local, cfg, a, state)
+    return local(cfg, a, state)
 
 
-def _csa_local(ex: ExecContext, cfg, q, kv, state, l, qpos, pos0, clip, fresh: bool, sel, ratio: int, src, sink):
+def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     impl = _impl(ex, "sparse_attention")
-    if impl is not None and not fresh:
-        return impl(cfg, ex.kv, q, kv, state, l, pos0, clip, sel, ratio, src, sink)
+    if impl is not None and not a.fresh:
+        return impl(cfg, ex.kv, a, state)
+    q, kv = a.q, a.chunk_kv
     B, T, H, d = q.shape
     W = cfg.window_size
-    ring = jax.lax.dynamic_index_in_dim(state["swa"], l, keepdims=False)
-    wpos = attn.window_positions(qpos, clip, W, fresh)
-    widx = attn.window_store_index(wpos, pos0, W, fresh)
-    store = kv if fresh else jnp.concatenate([ring, kv], axis=1)
+    qpos = a.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    wpos = attn.window_positions(qpos, a.clip, W, a.fresh)
+    widx = attn.window_store_index(wpos, a.pos0, W, a.fresh)
+    store = kv if a.fresh else jnp.concatenate([state.swa.ring(cfg, a.layer), kv], axis=1)
     keys = jnp.take_along_axis(store, widx.reshape(B, -1)[..., None], axis=1).reshape(B, T, -1, d)
     valid = wpos >= 0
-    if sel is not None:
-        ck = gather_latents(ex, state, ratio, src, sel)
+    if a.sel is not None:
+        ck = ex.kv.latents(state.glob, a.ratio, a.src, a.sel)
         keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
-        valid = jnp.concatenate([valid, sel >= 0], axis=2)
-    return attn.sparse_attention(cfg, q, keys.astype(q.dtype), valid, sink, d ** -0.5)
+        valid = jnp.concatenate([valid, a.sel >= 0], axis=2)
+    return attn.sparse_attention(cfg, q, keys.astype(q.dtype), valid, a.sink, d ** -0.5)
 
 
-def ring_write(ex: ExecContext, cfg, state, l, kv, pos0, n_valid):
-    """The chunk's SWA entries [B,T,d] (its first n_valid rows) enter layer l's rings."""
-    if _impl(ex, "sparse_attention") is not None and "swa_pool" in state:
-        return _pallas_ring_write(cfg, state, l, kv, pos0, n_valid)
-    ring = jax.lax.dynamic_index_in_dim(state["swa"], l, keepdims=False)
-    new = attn.ring_update(ring, kv, pos0, cfg.window_size, n_valid)
-    return dict(state, swa=jax.lax.dynamic_update_index_in_dim(state["swa"], new.astype(state["swa"].dtype), l, 0))
+def ring_write(ex: ExecContext, cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:
+    """The chunk's SWA entries [B,T,d] (its first n_valid rows) enter layer l's rings (the state's SWA
+    strategy: per-sequence rings, or the packed pool in place)."""
+    return replace(state, swa=state.swa.write(cfg, l, kv, pos0, n_valid))
 
 
 def empty_candidates(ex: ExecContext, cfg, B: int, T: int, C: int):
@@ -379,23 +405,23 @@ def empty_candidates(ex: ExecContext, cfg, B: int, T: int, C: int):
     return jnp.full((B, T, cfg.candidate_topk_blocks), -1, jnp.int32)
 
 
-def indexer(ex: ExecContext, cfg, p, x, qr, qpos, state, ratio: int, src, freqs, *, cand_source: bool,
-            uses_cand: bool, cand):
+def indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
     """An index-source layer's top-k: (entry ids [B,T,k] ascending, -1 = none; the candidate carry, updated
-    at the candidate source). Reindex layers (`uses_cand`) score only the candidate blocks."""
+    at the candidate source). Reindex layers (`a.uses_cand`) score only the candidate blocks."""
     impl = _impl(ex, "indexer")
     if impl is not None:
-        return impl(cfg, ex.kv, p, x, qr, qpos, state, ratio, src, freqs, cand_source, uses_cand, cand)
-    index_k = index_keys(ex, state, ratio, src)
+        return impl(cfg, ex.kv, p, a, state)
+    index_k = ex.kv.index_keys(state.glob, a.ratio, a.src)
     if ex.tp:
-        scores = parallel.tp_index_scores(ex, cfg, p, x, qr, qpos, index_k, ratio, freqs, layers.linear)
+        scores = parallel.tp_index_scores(ex, cfg, p, a, index_k, layers.linear)
     else:
-        scores = attn.index_scores(cfg, p, x, qr, qpos, index_k, ratio, freqs, lin=lin(ex))
-    if cand_source:
-        cand = attn.candidate_blocks(cfg, scores, qpos, ratio)
-    elif uses_cand:
+        scores = attn.index_scores(cfg, p, a.x, a.qr, a.qpos, index_k, a.ratio, a.freqs, lin=lin(ex))
+    cand = a.cand
+    if a.cand_source:
+        cand = attn.candidate_blocks(cfg, scores, a.qpos, a.ratio)
+    elif a.uses_cand:
         scores = attn.mask_to_candidates(scores, cand, cfg.candidate_block_size)
-    return attn.select_topk(cfg, scores, qpos, ratio), cand
+    return attn.select_topk(cfg, scores, a.qpos, a.ratio), cand
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -410,10 +436,3 @@ def data_parallel(ex: ExecContext, fn, in_specs, out_specs):
 def gather_rows(x):
     """Inside `data_parallel`: every rank's rows of x as one array, identical on every rank."""
     return parallel.gather_rows(x)
-
-
-def count_dropped(state: dict, dropped):
-    """Add a MoE call's dropped rows to state["moe_dropped"] when the caller keeps that counter."""
-    if "moe_dropped" not in state:
-        return state
-    return dict(state, moe_dropped=state["moe_dropped"] + dropped)

@@ -31,6 +31,8 @@ counted; padding rows (beyond n_valid) are never sent.
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -39,7 +41,6 @@ from jax.sharding import PartitionSpec as P
 from dsv41_jax import attention as attn
 from dsv41_jax import layers, quant
 from dsv41_jax.params import expert_weight, lin_weight
-from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import DATA, TENSOR
 from dsv41_jax.weights import LayerRef, materialize
 
@@ -107,15 +108,20 @@ def tp_linear(ex, cfg, p, x, split: str, local, local_f32):
                  dict(stack=_split_tree(stack, -1), index=P(), x=_spec_at(nd, -1, TENSOR)), P())
 
 
-def tp_attention(ex, local, cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src, sink):
-    """The rank's heads of `ops.csa_attention` (q [B,T,H,d] and sink [H] split on H; the rest replicated)."""
-    def body(q, kv, state, l, qpos, pos0, clip, sel, src, sink):
-        return local(cfg, q, kv, state, l, qpos, pos0, clip, fresh, sel, ratio, src, sink)
+def _bundle_specs(bundle, axis: str = TENSOR):
+    """shard_map specs of an operand bundle (pallas_kernels.common.operands), derived from its fields' metadata:
+    `heads` fields split over `axis` at their heads dim, every other array field replicated."""
+    dims = {f.name: f.metadata.get("heads") for f in fields(bundle) if not f.metadata.get("static")}
+    return replace(bundle, **{name: None if getattr(bundle, name) is None
+                              else _spec_at(getattr(bundle, name).ndim, dim, axis) if dim is not None
+                              else _rep(getattr(bundle, name)) for name, dim in dims.items()})
 
-    args = dict(q=q, kv=kv, state=state, l=l, qpos=qpos, pos0=pos0, clip=clip, sel=sel, src=src, sink=sink)
-    specs = {k: _rep(v) for k, v in args.items() if v is not None}
-    specs.update(q=_spec_at(4, 2, TENSOR), sink=_spec_at(1, 0, TENSOR))
-    return _smap(ex, body, args, specs, _spec_at(4, 2, TENSOR))
+
+def tp_attention(ex, local, cfg, a, state):
+    """The rank's heads of `ops.csa_attention` (the operands' heads fields split; the KV state replicated)."""
+    out = _spec_at(4, 2, TENSOR)
+    return jax.shard_map(lambda a, state: local(cfg, a, state), mesh=ex.mesh,
+                         in_specs=(_bundle_specs(a), _rep(state)), out_specs=out, check_vma=False)(a, state)
 
 
 def tp_grouped_out_proj(ex, local, cfg, w, o):
@@ -130,34 +136,22 @@ def tp_grouped_out_proj(ex, local, cfg, w, o):
                  _spec_at(4, 2, TENSOR))
 
 
-def tp_index_scores(ex, cfg, p, x, qr, qpos, index_k, ratio: int, freqs, local):
+def tp_index_scores(ex, cfg, p, a, index_k, local):
     """`attention.index_scores` with the index heads split: each rank sums its heads' rounded terms in f32,
-    one psum adds the ranks, then the reference's final rounding and visibility mask (replicated).
-    Mirrors attention.index_query / index_scores, whose head count is the global one."""
+    one psum adds the ranks, then the reference's final rounding and visibility mask (replicated). The
+    operands `a` (ops.IndexerInputs) and the keys are replicated; the rank's rows of wq_b / weights_proj give
+    its heads."""
     stack, index = _unref(p)
     sub = {"wq_b": stack["wq_b"], "weights_proj": stack["weights_proj"]}
-    Hi, di = cfg.index_n_heads, cfg.index_head_dim
     dt = layers.cdtype(cfg)
-    rnd = attn._round_to(dt)
 
-    def body(sub, index, x, qr, qpos, index_k):
-        lp = _ref(sub, index)
-        q = local(cfg, lp["wq_b"], qr)
-        q = apply_rope(q.reshape(*qr.shape[:-1], -1, di), qpos, freqs)
-        if cfg.qdq:
-            q = quant.fp4_qdq(q, 32, "ue8m0")
-        w = (layers.dense(cfg, materialize(lp["weights_proj"]), x).astype(F32)
-             * jnp.float32(di ** -0.5 * Hi ** -0.5)).astype(dt)
-        s = rnd(layers.mm(q, index_k.astype(dt), "bthd,bcd->bthc"))
-        s = rnd(jnp.maximum(s, 0) * w[..., None].astype(F32))
-        return lax.psum(jnp.sum(s, axis=2), TENSOR)
+    def body(sub, index, a, index_k):
+        q, w = attn.index_query(cfg, _ref(sub, index), a.x, a.qr, a.qpos, a.freqs, lin=local)
+        return lax.psum(jnp.sum(attn.index_head_terms(q, w, index_k, dt), axis=2), TENSOR)
 
-    s = _smap(ex, body, dict(sub=sub, index=index, x=x, qr=qr, qpos=qpos, index_k=index_k),
-              dict(sub=_split_tree(sub, -2), index=P(), x=P(), qr=P(), qpos=P(), index_k=P()), P())
-    s = rnd(s)
-    C = index_k.shape[1]
-    vis = jnp.arange(C)[None, None, :] < ((qpos + 1) // ratio)[..., None]
-    return jnp.where(vis, s, attn.NEG_INF)
+    s = jax.shard_map(body, mesh=ex.mesh, in_specs=(_split_tree(sub, -2), P(), _rep(a), P()), out_specs=P(),
+                      check_vma=False)(sub, index, a, index_k)
+    return attn.visible_scores(attn.round_to(dt)(s), a.qpos, a.ratio)
 
 
 def tp_moe(ex, cfg, p, x2, w, idx, lin_local):

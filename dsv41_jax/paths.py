@@ -20,13 +20,14 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.kv_cache import KVState
 from dsv41_jax.model import ChunkInputs, init_state, step
 
 
 @dataclass
 class DecodeState:
     """Per-sequence state between calls: device arrays plus host-side positions and Engram history."""
-    arrays: dict
+    arrays: KVState  # the model's dense state (dsv41_jax.kv_cache)
     pos: np.ndarray  # [B] next position
     enc_clip: np.ndarray  # [B] SWA clip of the encoder band (replay_start of the last prefill)
     dec_clip: np.ndarray  # [B] SWA clip of the decoder band
@@ -91,8 +92,9 @@ def forward(cfg: ModelConfig, params, tokens, *, engram_ids=None, forced_topk=No
     tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
     state = init_state(cfg, B, max_len=T)
-    logits, _, rec = step(cfg, params, state, ChunkInputs.make(tokens, engram_ids), forced_topk=forced_topk,
-                          fresh=True, n_dec=T, n_logits=T)
+    out = step(cfg, params, state, ChunkInputs.make(tokens, engram_ids), forced_topk=forced_topk, fresh=True,
+               n_dec=T, n_logits=T)
+    logits, rec = out.logits, out.topk
     return (logits, rec) if return_topk else logits
 
 
@@ -123,8 +125,8 @@ def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bo
     dec_clip = ds.pos + (T - n_dec) if n_dec < T else ec
     wf = 0 if write_from is None else write_from
     inp = ChunkInputs.make(tokens, ids, pos0=ds.pos, enc_clip=ec, dec_clip=dec_clip, write_from=wf)
-    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=fresh, n_dec=n_dec,
-                               n_logits=n_logits)
+    logits, arrays, rec, _ = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=fresh, n_dec=n_dec,
+                                  n_logits=n_logits)
     ds = DecodeState(arrays, ds.pos + T, np.asarray(ec, np.int32), np.asarray(dec_clip, np.int32), hist)
     return logits, ds, rec
 
@@ -144,8 +146,8 @@ def decode_step(cfg: ModelConfig, params, ds: DecodeState, token, *, forced_topk
     tok = np.asarray(token, np.int32).reshape(-1, 1)
     ids, hist = _ids(cfg, hasher, tok, ds.history)
     inp = ChunkInputs.make(tok, ids, pos0=ds.pos, enc_clip=ds.enc_clip, dec_clip=ds.dec_clip)
-    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=False, n_dec=1,
-                               n_logits=1)
+    logits, arrays, rec, _ = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=False, n_dec=1,
+                                  n_logits=1)
     ds = replace(ds, arrays=arrays, pos=ds.pos + 1, history=hist)
     return (logits[:, 0], ds, rec) if return_topk else (logits[:, 0], ds)
 

@@ -8,7 +8,7 @@ but at most 4 GiB get 64-bit offsets instead of sign-extended 32-bit ones (which
 wrongly). It changes nothing else; if jax's internals move, `check_offsets` refuses such arrays instead.
 
 In-kernel decoders use only integer shifts/masks, compares, selects and float multiplies, because Hopper
-has no FP4 type and the Pallas Triton lowering cannot load float4 refs (../shared/spec/JAX_GPU.md §9). They
+has no FP4 type and the Pallas Triton lowering cannot load float4 refs (tests/kernels/test_common.py). They
 are plain jnp functions on int32 arrays, so the same code runs inside a kernel body, in interpret mode on
 CPU, and in the references. Every decoder is bit-exact (tests/kernels/test_common.py checks all codes).
 
@@ -30,6 +30,35 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------- operand bundles
+def operands(cls):
+    """A frozen keyword-only dataclass of one op's operands, registered as a pytree: fields made with `static()`
+    are metadata (hashable, part of the jit key), the others arrays (or None). The producer fills it and the
+    kernel reads it, so adding an operand touches those two and nothing in between (the ops seam and shard_map
+    pass it whole)."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+    data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(**kw):
+    """An `operands` field that is static metadata (an int / bool / str), not an array."""
+    return dataclasses.field(metadata={"static": True}, **kw)
+
+
+def heads(dim: int, **kw):
+    """An `operands` array field whose dim `dim` indexes query / index heads: tensor parallelism splits it there
+    (every other field is replicated)."""
+    return dataclasses.field(metadata={"heads": dim}, **kw)
+
+
+def head_dims(bundle) -> dict:
+    """field name -> its heads dim (None: replicated) of an `operands` bundle."""
+    return {f.name: f.metadata.get("heads") for f in dataclasses.fields(bundle)
+            if not f.metadata.get("static")}
 
 
 def interpret_default() -> bool:

@@ -20,7 +20,6 @@ import pytest
 import checkpoints
 from checkpoints.tree import flat
 from dsv41_jax import paths
-from dsv41_jax import train as T
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.default_model import DIR
 from dsv41_jax.engram_hash import EngramHasher
@@ -28,6 +27,7 @@ from dsv41_jax.params import num_params
 from serving.api.chat_template import ChatTemplate
 from serving.engine.config import shared_cache_dir
 from serving.tokenizer import HFTokenizer
+from training import objective as T
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_TOL = 0.03
@@ -127,12 +127,11 @@ def test_qat_view_serves_the_exported_values(tiny, tokens):
     m = jax.jit(lambda: T.init_masters(tiny, 3))()
     ids = EngramHasher(tiny).hash_ids(tokens)
     exported = jax.jit(lambda m: T.export_params(tiny, m))(m)
-    with T.training_hooks(indexer_stride=4):
-        got, state = jax.jit(lambda m: T.full_forward(tiny, T.qat_params(tiny, m), jnp.asarray(tokens), ids,
-                                                      T._aux_state()))(m)
+    hooks = T.train_hooks(indexer_stride=4)
+    got, aux = jax.jit(lambda m: T.full_forward(tiny, T.qat_params(tiny, m), jnp.asarray(tokens), ids, hooks))(m)
     want = paths.forward(tiny, exported, tokens)
     assert np.array_equal(np.asarray(got), np.asarray(want))
-    assert float(state[T.AUX_N]) == len(tiny.index_source_layers) and float(state[T.AUX_KL]) > 0
+    assert float(aux.indexer_layers) == len(tiny.index_source_layers) and float(aux.indexer_kl) > 0
     head = np.asarray(flat(exported)[("head", "weight")])
     assert head.dtype == np.float32 and np.array_equal(head, head.astype(ml_dtypes.bfloat16).astype(np.float32))
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.ops import PALLAS_OPS, ExecContext, missing_pallas_ops
+from dsv41_jax.ops import PALLAS_OPS, ExecContext, TrainHooks, check_kernels_with_parallel, missing_pallas_ops
 from serving.engine.config import EngineArgs
 from serving.engine.step_io import (
     DECODE,
@@ -48,6 +48,18 @@ def test_pallas_kernels_refuse_unsupported_model_configs(tiny_params):
 def test_exec_context_is_part_of_the_jit_key():
     a, b = ExecContext(), ExecContext()
     assert a == b and hash(a) == hash(b)  # equal contexts share compiled programs
+    hooked = ExecContext(hooks=TrainHooks(indexer_stride=4))
+    assert hooked != a and hooked == ExecContext(hooks=TrainHooks(indexer_stride=4))  # hooks are part of the key
+    assert hooked != ExecContext(hooks=TrainHooks(indexer_stride=2))
+
+
+def test_tp_with_pallas_is_refused_in_one_place():
+    from dsv41_jax.sharding import Parallel
+
+    tp = Parallel.from_flags(2, 1, False, False)
+    check_kernels_with_parallel("xla", tp)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        check_kernels_with_parallel("pallas", tp)
 
 
 @pytest.mark.parametrize("all_logits", [False, True])

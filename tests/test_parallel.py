@@ -79,13 +79,12 @@ def logits(cfg, params, inp, par=None):
     pp, pspecs = placed(cfg, params, par, mesh)
     if par.mode == "tp":
         return np.asarray(model.step(cfg, pp, state, inp, ex=ex, **kw).logits)
-    st = dict(state, moe_dropped=jnp.zeros((par.size,), jnp.int32))
-    sspecs = {k: P(DATA) if k == "moe_dropped" else P(None, DATA) for k in st}  # dense state: batch is dim 1
+    sspecs = jax.tree.map(lambda _: P(None, DATA), state)  # dense state: batch is dim 1 of every array
     def body(p, s, i):
-        o = model.step_impl(cfg, p, dict(s, moe_dropped=s["moe_dropped"][0]), i, ex=ex, **kw)
-        return o.logits, o.state["moe_dropped"][None]
+        o = model.step_impl(cfg, p, s, i, ex=ex, **kw)
+        return o.logits, o.aux.moe_dropped[None]
     f = ops.data_parallel(ex, body, (pspecs, sspecs, jax.tree.map(lambda _: P(DATA), inp)), (P(DATA), P(DATA)))
-    lg, dropped = jax.jit(f)(pp, st, inp)
+    lg, dropped = jax.jit(f)(pp, state, inp)
     out["dep_model_dropped"] = int(np.asarray(dropped).sum())
     return np.asarray(lg)
 

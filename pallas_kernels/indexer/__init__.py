@@ -1,14 +1,13 @@
-"""Lightning indexer over paged FP4 index keys: the Pallas kernel, its jnp reference, and the candidate-block
-and top-k selections built on its scores (see kernel.py)."""
+"""Lightning indexer over paged FP4 index keys: the Pallas kernel and its jnp reference (see kernel.py; the
+candidate-block and top-k selections on its scores are the model's, dsv41_jax.attention)."""
 
 from pallas_kernels.indexer.kernel import (
-    candidate_block_ids,
     gather_index_keys,
     index_scores_paged,
     ref_index_scores_paged,
     score_keys,
-    select_topk_entries,
 )
+from pallas_kernels.indexer.operands import IndexerOperands, PagedIndexKV
 
-__all__ = ["candidate_block_ids", "gather_index_keys", "index_scores_paged", "ref_index_scores_paged",
-           "score_keys", "select_topk_entries"]
+__all__ = ["IndexerOperands", "PagedIndexKV", "gather_index_keys", "index_scores_paged", "ref_index_scores_paged",
+           "score_keys"]

@@ -1,17 +1,19 @@
-"""Lightning-indexer scores over paged FP4 index keys, for a given list of 8-entry blocks (MODEL.md §2.5, §4).
+"""Lightning-indexer scores over paged FP4 index keys, for a given list of 8-entry blocks (the model's side:
+dsv41_jax.attention.index_scores; the page layout: dsv41_jax.kv_cache).
 
 One op serves both uses of the indexer: the full scan of the candidate-source layer (every block of the
 sequence's capacity) and the Reindex layers, which score only the entries of the 2048 candidate blocks, so
 that their cost does not grow with the context.
 
-  index_scores_paged(q, w, pages, page_table, blocks, visible, region, *, ratio, block_size=8)
-    q [B,T,Hi,di] bf16, w [B,T,Hi] bf16, pages [P, page_bytes] uint8, page_table [B, max_pages] int32,
-    blocks [B,T,nb] (or [B,1,nb], shared by every query row) int32 ascending block ids, -1 = none,
-    visible [B,T] int32, region int32 [] or [1]  ->  scores [B,T,nb*block_size] f32
+  index_scores_paged(a: IndexerOperands, kv: PagedIndexKV)  (operands.py)
+    a.q [B,T,Hi,di] bf16, a.w [B,T,Hi] bf16, a.blocks [B,T,nb] (or [B,1,nb], shared by every query row) int32
+    ascending block ids, -1 = none, a.visible [B,T] int32; kv.pages [P, page_bytes] uint8, kv.page_table
+    [B, max_pages] int32, kv.region int32 []  ->  scores [B,T,nb*block_size] f32
 
 Column c*bs+u holds the score of entry blocks[c]*bs+u, -inf where the block is -1 or the entry >= visible.
-Index-key entry layout (64 // ratio entries per page): di/2 packed E2M1 bytes (low nibble = even element),
-then di/32 UE8M0 scale bytes; entry e sits at byte page_table[b, e // n] * page_bytes + region + (e % n) * eb.
+Index-key entry layout (kv.page_tokens // ratio entries of kv.entry_bytes per page): di/2 packed E2M1 bytes
+(low nibble = even element), then di/32 UE8M0 scale bytes; entry e sits at byte
+page_table[b, e // n] * page_bytes + region + (e % n) * eb.
 
 Rounding points (as dsv41_jax.attention.index_scores): s_h = bf16(q_h . k) with an f32 accumulation;
 p_h = bf16(relu(s_h) * w_h) (product in f32, then rounded); score = bf16(sum_h p_h in f32), returned as f32.
@@ -53,15 +55,16 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.indexer.block_sizes import entries_per_program
+from pallas_kernels.indexer.operands import IndexerOperands, PagedIndexKV
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 NEG_INF = float("-inf")
-PAGE_TOKENS = 64
-SCALE_BLOCK = 32  # UE8M0 scale per 32 elements (16 packed bytes)
+SCALE_BLOCK = 32  # the decoded format: a UE8M0 scale per 32 elements (16 packed bytes)
 
 
-def entry_bytes(di: int) -> int:
+def decoded_entry_bytes(di: int) -> int:
+    """Bytes of the one index-key entry format the decoders read (checked against the caller's layout)."""
     return di // 2 + di // SCALE_BLOCK
 
 
@@ -75,13 +78,13 @@ def _entries(blocks, block_size):
 
 
 # ----------------------------------------------------------------------------- reference (pure jnp)
-def gather_index_keys(pages, page_table, entries, valid, region, *, ratio, di, dtype=BF16):
-    """Decode the index keys of `entries` [B, ...] (int32; rows where ~valid give 0) -> [B, ..., di].
+def gather_index_keys(pages, page_table, entries, valid, region, *, n, di, dtype=BF16):
+    """Decode the index keys of `entries` [B, ...] (int32; rows where ~valid give 0) -> [B, ..., di]; n entries
+    per page.
 
     The XLA gather-and-decode path: byte (page, offset) pairs per entry, then the E2M1 / UE8M0 decode of
     pallas_kernels.common (bit-exact with dsv41_jax.quant.fp4_unpack)."""
-    n = PAGE_TOKENS // ratio
-    half, eb = di // 2, entry_bytes(di)
+    half, eb = di // 2, decoded_entry_bytes(di)
     B = entries.shape[0]
     es = jnp.where(valid, entries, 0)
     slot = jnp.clip(es // n, 0, page_table.shape[1] - 1)
@@ -111,14 +114,15 @@ def score_keys(q, w, k, valid):
     return jnp.where(valid, round_bf16(jnp.sum(p, axis=2)), NEG_INF)
 
 
-def ref_index_scores_paged(q, w, pages, page_table, blocks, visible, region, *, ratio: int, block_size: int = 8):
+def ref_index_scores_paged(a: IndexerOperands, kv: PagedIndexKV):
     """Pure-jnp reference of `index_scores_paged` (same arguments and result)."""
-    B, T = q.shape[:2]
-    blocks = jnp.broadcast_to(blocks, (B, T, blocks.shape[-1])).astype(jnp.int32)
-    e, ok = _entries(blocks, block_size)
-    valid = ok & (e < visible[..., None])
-    k = gather_index_keys(pages, page_table, e, valid, region, ratio=ratio, di=q.shape[-1])
-    return score_keys(q, w, k, valid)
+    B, T = a.q.shape[:2]
+    blocks = jnp.broadcast_to(a.blocks, (B, T, a.blocks.shape[-1])).astype(jnp.int32)
+    e, ok = _entries(blocks, a.block_size)
+    valid = ok & (e < a.visible[..., None])
+    k = gather_index_keys(kv.pages, kv.page_table, e, valid, kv.region, n=kv.page_tokens // a.ratio,
+                          di=a.q.shape[-1])
+    return score_keys(a.q, a.w, k, valid)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -160,7 +164,9 @@ def _kernel(qe_ref, qo_ref, w_ref, vis_ref, blk_ref, tab_ref, reg_ref, pages_ref
     o_ref[...] = jnp.where(valid, tot, NEG_INF)
 
 
-def _pallas_scores(q, w, pages, page_table, blocks, visible, region, *, ratio, block_size, interpret, entries):
+def _pallas_scores(a: IndexerOperands, kv: PagedIndexKV, *, interpret, entries):
+    q, w, blocks, visible, block_size = a.q, a.w, a.blocks, a.visible, a.block_size
+    pages, page_table, region = kv.pages, kv.page_table, kv.region
     B, T, Hi, di = q.shape
     nb = blocks.shape[-1]
     shared = blocks.shape[1] == 1 and T > 1
@@ -177,7 +183,7 @@ def _pallas_scores(q, w, pages, page_table, blocks, visible, region, *, ratio, b
     qe = jnp.swapaxes(q[..., 0::2], -1, -2).astype(BF16)
     qo = jnp.swapaxes(q[..., 1::2], -1, -2).astype(BF16)
     half = di // 2
-    kern = functools.partial(_kernel, E=E, bs=block_size, n=PAGE_TOKENS // ratio, half=half,
+    kern = functools.partial(_kernel, E=E, bs=block_size, n=kv.page_tokens // a.ratio, half=half,
                              nsc=di // SCALE_BLOCK, max_pages=page_table.shape[1], n_pages=pages.shape[0],
                              shared_blocks=shared, interpret=bool(interpret))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -199,72 +205,26 @@ def _pallas_scores(q, w, pages, page_table, blocks, visible, region, *, ratio, b
     return out[..., :cols] if pad else out
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "block_size", "interpret", "implementation", "entries"))
-def index_scores_paged(q, w, pages, page_table, blocks, visible, region, *, ratio: int, block_size: int = 8,
-                       interpret: bool | None = None, implementation: str = "pallas", entries: int | None = None):
-    """Indexer scores [B,T,nb*block_size] f32 of the entries of `blocks` (see the module docstring).
+@functools.partial(jax.jit, static_argnames=("interpret", "implementation", "entries"))
+def index_scores_paged(a: IndexerOperands, kv: PagedIndexKV, *, interpret: bool | None = None,
+                       implementation: str = "pallas", entries: int | None = None):
+    """Indexer scores [B,T,nb*block_size] f32 of the entries of `a.blocks` (see the module docstring).
 
     implementation: "pallas" (the kernel; interpret=None means interpret mode on CPU) or "xla" (the
     reference). entries: columns per program (None: block_sizes.entries_per_program)."""
-    B, T, Hi, di = q.shape
-    if PAGE_TOKENS % ratio or di % SCALE_BLOCK:
+    B, T, Hi, di = a.q.shape
+    blocks, ratio = a.blocks, a.ratio
+    if kv.page_tokens % ratio or di % SCALE_BLOCK:
         raise ValueError(f"bad ratio {ratio} or index head dim {di}")
+    if kv.entry_bytes != decoded_entry_bytes(di):
+        raise ValueError(f"index-key entries of {kv.entry_bytes} bytes: the kernel reads FP4 entries of "
+                         f"{decoded_entry_bytes(di)} (di/2 E2M1 + di/32 UE8M0 scale bytes)")
     if blocks.ndim != 3 or blocks.shape[0] != B or blocks.shape[1] not in (1, T):
-        raise ValueError(f"blocks {blocks.shape} must be [B, T or 1, nb] for q {q.shape}")
+        raise ValueError(f"blocks {blocks.shape} must be [B, T or 1, nb] for q {a.q.shape}")
     if implementation == "xla":
-        return ref_index_scores_paged(q, w, pages, page_table, blocks, visible, region, ratio=ratio,
-                                      block_size=block_size)
+        return ref_index_scores_paged(a, kv)
     if implementation != "pallas":
         raise ValueError(f"unknown implementation {implementation!r}")
     if interpret is None:
         interpret = common.interpret_default()
-    return _pallas_scores(q, w, pages, page_table, blocks, visible, region, ratio=ratio, block_size=block_size,
-                          interpret=interpret, entries=entries)
-
-
-# ----------------------------------------------------------------------------- selection on these scores (XLA)
-def candidate_block_ids(scores_full, visible, *, n_keep: int = 2048, block_size: int = 8):
-    """Layer-20 candidate filter on full-scan scores [B,T,C] -> ascending block ids [B,T,n_keep], -1 padded.
-
-    Block score = max of its entries; the block holding the newest visible entry (visible - 1) is forced in
-    with +inf; the top n_keep blocks by score are kept (ties: lower block first, as lax.top_k); blocks whose
-    score is -inf are dropped. Selects exactly the blocks dsv41_jax.attention.candidate_blocks marks."""
-    B, T, C = scores_full.shape
-    pad = -C % block_size
-    sc = jnp.pad(scores_full, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
-    nb = (C + pad) // block_size
-    blk = jnp.max(sc.reshape(B, T, nb, block_size), axis=-1)
-    last = (visible.astype(jnp.int32) - 1) // block_size
-    blk = jnp.where(jnp.arange(nb)[None, None] == last[..., None], jnp.inf, blk)
-    kb = min(n_keep, nb)
-    vals, idx = jax.lax.top_k(blk, kb)
-    ids = jnp.sort(jnp.where(vals > NEG_INF, idx, nb), axis=-1)
-    ids = jnp.where(ids == nb, -1, ids).astype(jnp.int32)
-    if kb < n_keep:
-        ids = jnp.pad(ids, [(0, 0), (0, 0), (0, n_keep - kb)], constant_values=-1)
-    return ids
-
-
-def select_topk_entries(scores, blocks, visible, *, k: int):
-    """Top-k entries of block-subset scores [B,T,nb*bs] (as index_scores_paged returns for `blocks`
-    [B,T or 1,nb]) -> entry ids [B,T,k] ascending, -1 padded (unreachable / -inf picks).
-
-    Ties go to the lower entry index, as lax.top_k on the full masked score row. Equals the model's
-    select_topk(mask_to_candidates(full_scores, mask)) with k = min(index_topk, C) whenever a query with
-    fewer than k finite candidates has no visible entry outside its candidates; this holds when the
-    candidates come from candidate_block_ids and k <= (n_keep - 1) * bs + 1 (every config: 512 <= 16377)."""
-    B, T, E = scores.shape
-    nb = blocks.shape[-1]
-    bs = E // nb
-    blocks = jnp.broadcast_to(blocks, (B, T, nb)).astype(jnp.int32)
-    kk = min(k, E)
-    vals, col = jax.lax.top_k(scores, kk)  # columns are in ascending entry order (blocks ascending)
-    blk = jnp.take_along_axis(blocks, col // bs, axis=-1)
-    ent = blk * bs + col % bs
-    ok = (vals > NEG_INF) & (blk >= 0) & (ent < visible[..., None])
-    big = jnp.iinfo(jnp.int32).max
-    ent = jnp.sort(jnp.where(ok, ent, big), axis=-1)
-    ent = jnp.where(ent == big, -1, ent).astype(jnp.int32)
-    if kk < k:
-        ent = jnp.pad(ent, [(0, 0), (0, 0), (0, k - kk)], constant_values=-1)
-    return ent
+    return _pallas_scores(a, kv, interpret=interpret, entries=entries)

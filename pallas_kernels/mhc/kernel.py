@@ -1,4 +1,5 @@
-"""mHC coefficients from the mixing logits, in one Pallas kernel (MODEL.md §2.2).
+"""mHC coefficients from the mixing logits, in one Pallas kernel (the model's side and the jnp reference this
+kernel is tested against: dsv41_jax.layers.hc_coefficients).
 
 Given m = (flatten(X) @ hc_fn^T) * rsqrt(mean(X^2) + eps) ([N, (2+hc)*hc] f32, the GEMM stays in XLA), compute
     pre  = sigmoid(m[0:hc] * s0 + base[0:hc]) + hc_eps
@@ -27,23 +28,6 @@ from pallas_kernels.common import interpret_default
 
 F32 = jnp.float32
 WIDTH = 32  # the (2+hc)*hc = 24 logits padded to a power of two
-
-
-def ref_hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float):
-    """m [N, (2+hc)*hc] f32 -> (pre [N, hc], post [N, hc], comb [N, hc, hc]); the reference (layers.hc_mixes)."""
-    pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
-    c = c / jnp.sum(c, axis=-1, keepdims=True) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    def sinkhorn(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    c = jax.lax.fori_loop(0, iters - 1, sinkhorn, c)
-    return pre, post, c
 
 
 def _sigmoid(x):
@@ -142,13 +126,9 @@ def _pallas(m, scale, base, *, hc, iters, eps, interpret, block_rows):
     return pre, post, comb.reshape(N, hc, hc)
 
 
-def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float, implementation: str = "pallas",
-                    interpret: bool | None = None, block_rows: int = 32):
+def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float, interpret: bool | None = None,
+                    block_rows: int = 32):
     """m [..., (2+hc)*hc] f32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc])."""
-    if implementation == "xla":
-        return ref_hc_coefficients(m, scale, base, hc=hc, iters=iters, eps=eps)
-    if implementation != "pallas":
-        raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
     if (2 + hc) * hc > WIDTH or hc & (hc - 1):
         raise ValueError(f"hc={hc}: the kernel holds (2+hc)*hc <= {WIDTH} logits and needs hc a power of two")
     lead = m.shape[:-1]

@@ -1,5 +1,8 @@
-"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (MODEL.md §2.3, §4): a Pallas Triton kernel, its
-wrapper, and `ref_paged_sparse_attention`, the pure-jnp reference.
+"""Paged sparse attention of one DeepSeek-V4.1 CSA2 layer (docs/ARCHITECTURE.md): a Pallas Triton kernel and
+its wrapper. Its one jnp reference is the model's: dsv41_jax.attention.sparse_attention over the keys gathered
+by the ops seam's XLA branch (the tests' oracle). Operands arrive as one `SparseAttentionOperands` pytree and
+the KV storage as `PagedAttentionKV` (operands.py), whose page size and entry size are the caller's layout
+(static fields).
 
 Per query row (b, i) at position t = pos0[b] + i, H query heads of dim d attend (MQA, K = V = one latent) over
 the key list [window (W entries, oldest first), selected compressed entries (k)] plus an attention sink:
@@ -7,8 +10,8 @@ the key list [window (W entries, oldest first), selected compressed entries (k)]
   chunk_kv[b, p - pos0[b]] when p >= pos0[b], else the FP8 ring entry ring[layer, ring_slot[b], p % W]
   (d E4M3 bytes, then d/32 UE8M0 scale bytes);
 - selected entry j is e = sel[b, i, j] (-1 = none): d/2 packed E2M1 bytes (low nibble = even element) and
-  d/16 E4M3 scale bytes at pages[page_table[b, e // n], region + (e % n) * eb], n = 64 // ratio,
-  eb = d/2 + d/16.
+  d/16 E4M3 scale bytes at pages[page_table[b, e // n], region + (e % n) * eb], n = page_tokens // ratio,
+  eb = entry_bytes (must be d/2 + d/16: the only format the decoder reads).
 Masked entries never contribute, whatever their bytes hold (0xFF-poisoned pages, stale ring slots): their loads
 are masked (they read nothing and yield 0) and their scores are selected to -inf before the softmax.
 
@@ -17,11 +20,10 @@ softmax online over consecutive 64-entry chunks of the key list with a cumulativ
 -1e30; unnormalised probabilities exp(s - running_max) are rounded to bf16 before P.V; the denominator adds
 exp(sink_h - final_max). o = numerator / denominator, cast to bf16.
 
-Contracts:
-- `ref_paged_sparse_attention` decodes exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale
-  has <= 6 significant bits, an E4M3 value times a power of two <= 4) and then runs the model's expression: it
-  equals dsv41_jax.attention.sparse_attention on the keys gathered the model's way bit for bit (tested).
-- The kernel decodes the same keys exactly (masking is exact too); it differs from the reference only by the f32
+Contract (against the reference above):
+- The kernel decodes the keys exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale has <= 6
+  significant bits, an E4M3 value times a power of two <= 4; masking is exact too); it differs from the
+  reference only by the f32
   summation order of the dots (q.k is two half-dim dots, even and odd elements) and, with num_splits > 1, by
   the merge: each split restarts the running max, so its bf16 rounding of the probabilities differs.
   Measured (interpret mode, random inputs, also at the full shape): every output element is within 1 bf16 ulp
@@ -54,16 +56,16 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes, ResolvedBlockSizes
+from pallas_kernels.sparse_attention.operands import PagedAttentionKV, SparseAttentionOperands
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 CHUNK = 64  # softmax chunk of the official kernel = keys per kernel step
-PAGE_TOKENS = 64
 NEG_INF = float("-inf")
 MAX_FLOOR = -1e30
 
 
-# ----------------------------------------------------------------------------- byte decoders (ref and kernel)
+# ----------------------------------------------------------------------------- byte decoders
 def _e4m3(byte, decode: str, dtype=F32):
     """E4M3 bytes -> values (exact in f32 and bf16; NaN for 0x7f/0xff)."""
     if decode == "int":
@@ -85,88 +87,8 @@ def _fp4_planes(packed, decode: str, dtype=F32):
 FP4_CVT_FACTOR = {"cvt": 64.0, "int": 1.0}
 
 
-def decode_fp8_entries(raw, d: int, out_dtype=BF16):
-    """SWA ring entries uint8 [..., d + d/32] -> values [..., d] (E4M3 x UE8M0 per 32)."""
-    v = common.e4m3_to_f32(raw[..., :d]).reshape(*raw.shape[:-1], d // 32, 32)
-    s = common.e8m0_to_f32(raw[..., d:])
-    return (v * s[..., None]).reshape(*raw.shape[:-1], d).astype(out_dtype)
-
-
-def decode_fp4_entries(raw, d: int, out_dtype=BF16):
-    """Global-KV latent entries uint8 [..., d/2 + d/16] -> values [..., d] (E2M1 x E4M3 per 16)."""
-    lo, hi = _fp4_planes(raw[..., : d // 2], "int")
-    v = jnp.stack([lo, hi], axis=-1).reshape(*raw.shape[:-1], d // 16, 16)
-    s = common.e4m3_to_f32(raw[..., d // 2:])
-    return (v * s[..., None]).reshape(*raw.shape[:-1], d).astype(out_dtype)
-
-
-# ----------------------------------------------------------------------------- reference
 def _scalar(x):
     return jnp.asarray(x, jnp.int32).reshape(())
-
-
-def gather_window(chunk_kv, ring, layer, ring_slot, pos0, clip):
-    """Window keys [B,T,W,d] (bf16) and validity [B,T,W] of every query row."""
-    B, T, d = chunk_kv.shape
-    W = ring.shape[2]
-    t = pos0[:, None] + jnp.arange(T, dtype=jnp.int32)
-    p = t[..., None] - W + 1 + jnp.arange(W, dtype=jnp.int32)  # [B,T,W]
-    valid = (p >= 0) & (p >= clip[:, None, None])
-    vals = decode_fp8_entries(ring[_scalar(layer), ring_slot], d, chunk_kv.dtype)  # [B,W,d]
-    rel = p - pos0[:, None, None]
-    from_ring = jnp.take_along_axis(vals, jnp.mod(p, W).reshape(B, -1)[..., None], axis=1)
-    from_chunk = jnp.take_along_axis(chunk_kv, jnp.clip(rel, 0, T - 1).reshape(B, -1)[..., None], axis=1)
-    keys = jnp.where((rel >= 0).reshape(B, -1)[..., None], from_chunk, from_ring)
-    return keys.reshape(B, T, W, d), valid
-
-
-def gather_selected(pages, page_table, sel, region, ratio: int, d: int):
-    """Selected compressed keys [B,T,k,d] (bf16) and validity [B,T,k]."""
-    B, T, k = sel.shape
-    n, eb = PAGE_TOKENS // ratio, d // 2 + d // 16
-    e = jnp.maximum(sel, 0)
-    col = jnp.clip(e // n, 0, page_table.shape[1] - 1)
-    pg = jnp.take_along_axis(page_table, col.reshape(B, -1), axis=1).reshape(B, T, k)
-    off = _scalar(region) + (e % n) * eb
-    raw = pages[pg[..., None], off[..., None] + jnp.arange(eb, dtype=jnp.int32)]  # [B,T,k,eb]
-    return decode_fp4_entries(raw, d), sel >= 0
-
-
-def chunked_sink_attention(q, keys, valid, sink, scale: float):
-    """q [B,T,H,d] bf16, keys [B,T,K,d] bf16, valid [B,T,K], sink [H] -> [B,T,H,d] bf16: the official kernel's
-    chunked online softmax, written as dsv41_jax.attention.sparse_attention (bf16 compute dtype) writes it."""
-    B, T, K, d = keys.shape
-    keys = jnp.where(valid[..., None], keys, 0)
-    s = jnp.einsum("bthd,btkd->bthk", q, keys, preferred_element_type=F32)
-    s = jnp.where(valid[:, :, None, :], s, NEG_INF) * scale
-    pad = -K % CHUNK
-    if pad:
-        s = jnp.pad(s, [(0, 0)] * 3 + [(0, pad)], constant_values=NEG_INF)
-        keys = jnp.pad(keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
-    nc = (K + pad) // CHUNK
-    sc = s.reshape(B, T, -1, nc, CHUNK)
-    run_max = jnp.maximum(jax.lax.cummax(jnp.max(sc, axis=-1), axis=3), MAX_FLOOR)
-    p = jnp.exp(sc - run_max[..., None])
-    final = run_max[..., -1]
-    corr = jnp.exp(run_max - final[..., None])
-    denom = jnp.sum(jnp.sum(p, axis=-1) * corr, axis=-1) + jnp.exp(sink.astype(F32) - final)
-    pr = p.astype(BF16).astype(F32)
-    kc = keys.astype(F32).reshape(B, T, nc, CHUNK, d)
-    num = jnp.einsum("bthcj,btcjd,bthc->bthd", pr, kc, corr, precision=jax.lax.Precision.HIGHEST)
-    return (num / denom[..., None]).astype(q.dtype)
-
-
-def ref_paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel, region,
-                               sink, *, ratio: int, scale: float, interpret=None):
-    """Pure-jnp reference (gather + exact decode + chunked softmax); same signature as the kernel."""
-    del interpret
-    d = q.shape[-1]
-    keys, valid = gather_window(chunk_kv.astype(q.dtype), ring, layer, ring_slot, pos0, clip)
-    if sel is not None:
-        ck, cv = gather_selected(pages, page_table, sel, region, ratio, d)
-        keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
-        valid = jnp.concatenate([valid, cv], axis=2)
-    return chunked_sink_attention(q, keys, valid, sink, scale)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -333,7 +255,9 @@ def _merge(acc, m, l, sink):
     return num / den[..., None]
 
 
-def _check(q, chunk_kv, ring, pages, page_table, sel, ratio):
+def _check(a: SparseAttentionOperands, kv: PagedAttentionKV):
+    q, chunk_kv, ring, pages, page_table, sel = a.q, a.chunk_kv, kv.ring, kv.pages, kv.page_table, a.sel
+    ratio = max(a.ratio, 1)
     B, T, H, d = q.shape
     L, R, W, e = ring.shape
     if d < 32 or d & (d - 1):
@@ -345,52 +269,52 @@ def _check(q, chunk_kv, ring, pages, page_table, sel, ratio):
     if chunk_kv.shape != (B, T, d):
         raise ValueError(f"chunk_kv {chunk_kv.shape} != {(B, T, d)}")
     if sel is not None:
-        if PAGE_TOKENS % ratio or pages.dtype != jnp.uint8 or sel.shape[:2] != (B, T):
+        if kv.page_tokens % ratio or pages.dtype != jnp.uint8 or sel.shape[:2] != (B, T):
             raise ValueError("bad ratio / pages dtype / sel shape")
+        if kv.entry_bytes != d // 2 + d // 16:
+            raise ValueError(f"latent entries of {kv.entry_bytes} bytes: the kernel reads FP4 entries of "
+                             f"{d // 2 + d // 16} (d/2 E2M1 + d/16 E4M3 scale bytes)")
         if page_table.shape[0] != B:
             raise ValueError("page_table rows != batch")
 
 
-def paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel, region, sink,
-                           *, ratio: int, scale: float, interpret=None, implementation: str = "pallas",
+def paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, scale: float, interpret=None,
                            block_sizes: BlockSizes | None = None, decode: str = "cvt", _poison_out: bool = False):
-    """See the module docstring. implementation="xla" runs `ref_paged_sparse_attention`.
+    """See the module docstring.
 
     block_sizes: launch configuration (heads per program, KV splits, warps); decode: "cvt" (E2M1 bits moved to
     E4M3, hardware conversion) or "int" (integer decoders of pallas_kernels.common); both are exact.
     _poison_out (tests): outputs start as NaN buffers aliased into the kernel, so unwritten blocks show."""
-    if implementation == "xla":
-        return ref_paged_sparse_attention(q, chunk_kv, ring, layer, ring_slot, pos0, clip, pages, page_table, sel,
-                                          region, sink, ratio=ratio, scale=scale)
-    if implementation != "pallas":
-        raise ValueError(f"unknown implementation {implementation!r}")
     if decode not in FP4_CVT_FACTOR:
         raise ValueError(f"unknown decode {decode!r}")
-    _check(q, chunk_kv, ring, pages, page_table, sel, ratio)
+    _check(a, kv)
     interpret = common.interpret_default() if interpret is None else interpret
+    q, sel = a.q, a.sel
     B, T, H, d = q.shape
-    L, R, W, _ = ring.shape
+    L, R, W, _ = kv.ring.shape
     n_win = W // CHUNK
     n_sel = 0 if sel is None else -(-sel.shape[-1] // CHUNK)
     bs = (block_sizes or BlockSizes()).resolve(B * T, H, n_win + n_sel)
-    region = _scalar(0 if region is None else region)
+    region = _scalar(0 if kv.region is None or sel is None else kv.region)
     try:
         concrete = int(region)
     except jax.errors.ConcretizationTypeError:
         concrete = 0
     if concrete % 16:
         raise ValueError(f"region {concrete} must be a multiple of 16")
-    eb = d // 2 + d // 16
+    eb = kv.entry_bytes
     st = _Static(d=d, W=W, T=T, n_win=n_win, n_chunks=n_win + n_sel, per=bs.chunks_per_split,
-                 splits=bs.num_splits, bh=bs.block_h, n=PAGE_TOKENS // ratio, eb=eb,
-                 max_pages=1 if sel is None else page_table.shape[1], scale=float(scale), decode=decode,
+                 splits=bs.num_splits, bh=bs.block_h, n=kv.page_tokens // max(a.ratio, 1), eb=eb,
+                 max_pages=1 if sel is None else kv.page_table.shape[1], scale=float(scale), decode=decode,
                  align=math.gcd(eb, 16), has_sel=sel is not None)
-    return _call(st, bs, interpret, _poison_out, q, chunk_kv, ring, _scalar(layer), ring_slot, pos0, clip, pages,
-                 page_table, sel, region, sink)
+    return _call(st, bs, interpret, _poison_out, a, kv, region)
 
 
-def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, q, chunk_kv, ring, layer, ring_slot,
-          pos0, clip, pages, page_table, sel, region, sink):
+def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a: SparseAttentionOperands,
+          kv: PagedAttentionKV, region):
+    q, chunk_kv, ring, layer, ring_slot, pos0, clip = a.q, a.chunk_kv, kv.ring, _scalar(a.layer), kv.ring_slot, \
+        a.pos0, a.clip
+    pages, page_table, sel, sink = kv.pages, kv.page_table, a.sel, a.sink
     B, T, H, d = q.shape
     L, R, W, e = ring.shape
     BT, Hp, bh, S = B * T, bs.heads_padded, bs.block_h, bs.num_splits

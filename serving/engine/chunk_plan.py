@@ -1,7 +1,7 @@
 """The chunk plan: the one place that says, for each piece of work the scheduler hands out, which rows the
 decoder band runs on, how the sliding windows are clipped, where global-KV writes start, and whether a token
 is sampled afterwards. The runner picks its compiled program from the plan and the model applies the plan's
-values as given; nobody re-derives them (CED rule, MODEL.md §3 and §5).
+values as given; nobody re-derives them (the CED rule: docs/ARCHITECTURE.md; the model side: dsv41_jax.model).
 
 Rules (W = the sliding window):
 - decode (one generated token): decoder on that row; clips as the request left them; sample.
@@ -44,6 +44,11 @@ class ChunkPlan:
         if self.decoder == DEC_WINDOW:
             return max(self.end - window, self.dec_clip)
         return self.dec_clip
+
+
+def decoder_rows(decoder: str, tokens: int, window: int) -> int:
+    """Rows the decoder band runs on in a program of `tokens` rows: none, the last `window` (trimmed), or all."""
+    return {DEC_NONE: 0, DEC_WINDOW: min(window, tokens), DEC_ALL: tokens}[decoder]
 
 
 def min_final_rows(bounded_replay: bool, window: int) -> int:

@@ -18,7 +18,13 @@ import os
 from dataclasses import dataclass, field
 
 from dsv41_jax.kv_format import pages_for
-from dsv41_jax.ops import KERNEL_CHOICES, check_kernels, missing_pallas_ops, pallas_config_problems
+from dsv41_jax.ops import (
+    KERNEL_CHOICES,
+    check_kernels,
+    check_kernels_with_parallel,
+    missing_pallas_ops,
+    pallas_config_problems,
+)
 from dsv41_jax.sharding import A2A_CHOICES, Parallel, check_layout
 
 KERNELS = ("auto", *KERNEL_CHOICES)  # --kernels
@@ -227,7 +233,5 @@ def _layout(a: EngineArgs, cfg) -> Parallel | None:
     check_layout(cfg, par, n, jax.process_count())
     if a.execution == "eager":
         raise ValueError("--execution eager runs on one device only (parallel layouts need compiled programs)")
-    if a.kernels == "pallas" and par.mode == "tp":
-        raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split mode "
-                         "yet (use --kernels xla, or --data-parallel-size)")
+    check_kernels_with_parallel(a.kernels, par)
     return par.resolved(jax.default_backend())

@@ -340,12 +340,11 @@ class Engine:
     def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
         inflight = _InFlight()
         for p in plans:
-            s = p.req.sched
-            if s.restore_snapshot is not None:
+            snap = self._rank_of(p.req).scheduler.take_restore_snapshot(p.req)
+            if snap is not None:
                 rank = self._rank_index(p.req)
-                self._guarded(inflight, [p], lambda s=s, r=rank: self.runner.snapshot(False, s.restore_snapshot,
-                                                                                          s.slot, r))
-                s.restore_snapshot = None
+                self._guarded(inflight, [p], lambda n=snap, s=p.req.sched, r=rank: self.runner.snapshot(
+                    False, n, s.slot, r))
         decode = [p for p in plans if p.is_decode and p.req.status != FINISHED]
         if decode:
             B, rows = decode_rows(decode, self._rank_index)
@@ -454,9 +453,7 @@ class Engine:
 
     def _advance(self, p: ChunkPlan):
         """Host-side progress once a chunk is dispatched: positions, decoder clip, prefix-cache pages."""
-        s = p.req.sched
-        s.num_computed = p.end
-        s.dec_clip = p.dec_clip_after(self.cfg.window_size)
+        self._rank_of(p.req).scheduler.advance(p)
         self._publish(p.req)
 
     def _run_chunks(self, plans: list[ChunkPlan], rows: list[int]) -> PendingOutputs | None:
@@ -498,11 +495,8 @@ class Engine:
     def _publish(self, req: Request):
         """Register newly completed pages in the prefix cache; save exact-mode snapshots at boundaries."""
         s = req.sched
-        full = min(s.num_computed // BLOCK, len(s.hashes), len(s.pages))
         rank = self._rank_of(req)
-        for j in range(s.registered, full):
-            rank.pool.register(s.pages[j], s.hashes[j])
-        s.registered = max(s.registered, full)
+        rank.scheduler.publish(req)
         if rank.snapshots is not None and s.num_computed in s.boundaries:
             k = s.num_computed // BLOCK
             slot = rank.snapshots.claim(s.hashes[k - 1])
@@ -516,8 +510,7 @@ class Engine:
         req.tokens.append(t)
         o.out_ids.append(t)
         req.counter += 1
-        if len(req.tokens) // BLOCK > len(req.sched.hashes):
-            req.refresh_hashes()
+        self._rank_of(req).scheduler.token_appended(req)
         if req.sampling.logprobs is not None:
             d = {t: float(out.token_logprob[i])}
             for j in range(req.sampling.logprobs):

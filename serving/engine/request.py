@@ -4,7 +4,8 @@
   parameters, session, salt, the resolved sampling seed), plus the token list (prompt + generated, appended by
   the output path) and the per-request RNG counter.
 - `SchedState` (`req.sched`): what the scheduler owns: status, progress, pages, ring slot, prefix-cache and
-  replay bookkeeping. Only the scheduler writes it (the engine advances `num_computed` after a chunk ran).
+  replay bookkeeping. Only the scheduler writes it (the engine reports a dispatched chunk, a published
+  page or an appended token through `Scheduler.advance` / `publish` / `token_appended`).
 - `OutputState` (`req.out`): what the output path owns: generated ids, logprobs, the incremental detokenizer
   and its stop-string state, what was already streamed, finish reason, timings, errors.
 """

@@ -40,16 +40,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from dsv41_jax import ops, quant
-from dsv41_jax.kv_cache import PagedKV, PageLayout
+from dsv41_jax import ops
+from dsv41_jax.kv_cache import CompressorCarry, KVState, PagedGlobal, PagedKV, PageLayout
 from dsv41_jax.kv_format import swa_entry_bytes
-from dsv41_jax.layers import cdtype
 from dsv41_jax.model import step_impl
 from dsv41_jax.ops import ExecContext, pallas_config_problems
 from dsv41_jax.params import source_slots
 from dsv41_jax.sharding import DATA, param_partition_specs
 from serving.engine import multihost
-from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW
+from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW, decoder_rows
 from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
 from serving.engine.sampler import sample
 from serving.engine.step_io import (
@@ -64,21 +63,6 @@ from serving.engine.step_io import (
     pack_outputs,
 )
 from serving.engine.types import MAX_LOGPROBS
-
-
-def _swa_pack(cfg, x):
-    if cfg.qdq:
-        q, codes = quant.fp8_pack(x, 32)
-        return jnp.concatenate([q, codes], axis=-1)
-    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], -1)
-
-
-def _swa_unpack(cfg, b):
-    d = cfg.head_dim
-    if cfg.qdq:
-        return quant.fp8_unpack(b[..., :d], b[..., d:], 32, cdtype(cfg))
-    dt = cdtype(cfg)
-    return jax.lax.bitcast_convert_type(b.reshape(*b.shape[:-1], d, jnp.dtype(dt).itemsize), dt)
 
 
 def _check_pallas_config(cfg):
@@ -109,6 +93,7 @@ class Runner:
         self.n_ranks = self.par.size if self.dp else 1  # data-parallel ranks (blocks of every pool)
         self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels, mesh=mesh,
                               parallel=self.par)
+        self.swa_layout = ops.swa_layout(self.ex)  # how a program holds the rings (kv_cache.SwaRings / SwaPool)
         if mesh is not None:
             self.param_specs = param_partition_specs(cfg, self.par, mesh)
             if not abstract:
@@ -249,30 +234,20 @@ class Runner:
         """One rank's program (the whole program without DP): rank-local pools, slots and page ids."""
         cfg = self.cfg
         slots = inp.slots
-        state = {"pages": pools["pages"], "page_table": inp.page_table}
-        if "moe_dropped" in pools:
-            state["moe_dropped"] = pools["moe_dropped"].reshape(())
-        if self.ex.pallas:  # the kernels read the packed rings in place and write only the new entries
-            state.update(swa_pool=pools["swa"], slots=slots)
-        else:
-            state["swa"] = _swa_unpack(cfg, pools["swa"][:, slots])
-        if self.n_r2:
-            state["comp_kv"] = pools["comp_kv"][:, slots]
-            state["comp_score"] = pools["comp_score"][:, slots]
+        comp = (CompressorCarry(pools["comp_kv"][:, slots], pools["comp_score"][:, slots]) if self.n_r2 else None)
+        state = KVState(self.swa_layout.load(cfg, pools["swa"], slots), PagedGlobal(pools["pages"], inp.page_table),
+                        comp)
         T = key.tokens
-        n_dec = {DEC_NONE: 0, DEC_WINDOW: min(cfg.window_size, T), DEC_ALL: T}[key.decoder]
+        n_dec = decoder_rows(key.decoder, T, cfg.window_size)
         n_logits = T if key.all_logits else 1
-        logits, state, _ = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec, n_logits=n_logits,
-                                     ex=self.ex)
-        if self.ex.pallas:
-            out = dict(pools, pages=state["pages"], swa=state["swa_pool"])
-        else:
-            out = dict(pools, pages=state["pages"], swa=pools["swa"].at[:, slots].set(_swa_pack(cfg, state["swa"])))
+        logits, state, _, aux = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec,
+                                          n_logits=n_logits, ex=self.ex)
+        out = dict(pools, pages=state.glob.pages, swa=state.swa.store(cfg, pools["swa"], slots))
         if self.n_r2:
-            out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state["comp_kv"])
-            out["comp_score"] = pools["comp_score"].at[:, slots].set(state["comp_score"])
+            out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state.comp.kv)
+            out["comp_score"] = pools["comp_score"].at[:, slots].set(state.comp.score)
         if "moe_dropped" in pools:
-            out["moe_dropped"] = state["moe_dropped"].reshape(1)
+            out["moe_dropped"] = pools["moe_dropped"] + aux.moe_dropped
         if not key.sample:
             return out, None
         s = inp.sampling

@@ -206,6 +206,31 @@ class Scheduler:
             raise RuntimeError("scheduler invariant violated: the step exceeds max_num_batched_tokens")
         return out
 
+    # ------------------------------------------------------------------ transitions the engine reports
+    def take_restore_snapshot(self, req: Request) -> int | None:
+        """Exact mode: the snapshot slot to load before the request's first chunk (handed out once)."""
+        slot, req.sched.restore_snapshot = req.sched.restore_snapshot, None
+        return slot
+
+    def advance(self, plan: ChunkPlan):
+        """A chunk was dispatched: its positions are computed and the decoder clip is what the plan leaves."""
+        s = plan.req.sched
+        s.num_computed = plan.end
+        s.dec_clip = plan.dec_clip_after(self.W)
+
+    def publish(self, req: Request):
+        """Register the request's newly completed pages in the prefix cache (once each)."""
+        s = req.sched
+        full = min(s.num_computed // BLOCK, len(s.hashes), len(s.pages))
+        for j in range(s.registered, full):
+            self.pool.register(s.pages[j], s.hashes[j])
+        s.registered = max(s.registered, full)
+
+    def token_appended(self, req: Request):
+        """A generated token joined req.tokens: hash the block it completed (prefix caching of the output)."""
+        if len(req.tokens) // BLOCK > len(req.sched.hashes):
+            req.refresh_hashes()
+
     def finish(self, req: Request, reason: str):
         if req in self.running:
             self.running.remove(req)

@@ -15,7 +15,8 @@ import pytest
 from dsv41_jax import attention as A
 from dsv41_jax import quant
 from dsv41_jax.config import ModelConfig
-from dsv41_jax.kv_cache import PAGE_TOKENS, PagedKV, PageLayout
+from dsv41_jax.kv_cache import PAGE_TOKENS, PagedGlobal, PagedKV, PageLayout
+from dsv41_jax.kv_format import index_entry_bytes
 from dsv41_jax.layers import F32, dense, linear
 from dsv41_jax.rope import apply_rope, layer_freqs
 from pallas_kernels import common
@@ -33,7 +34,22 @@ NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() =
 # everything below runs jitted: op-by-op dispatch of the quantizers and references costs seconds on 2 cores
 _qdq_idx = jax.jit(lambda x: quant.fp4_qdq(x, 32, "ue8m0"))
 _qdq_lat = jax.jit(lambda x: quant.fp4_qdq(x, 16, "e4m3"))
-_ref = jax.jit(K.ref_index_scores_paged, static_argnames=("ratio", "block_size"))
+def _bundles(q, w, pages, table, blocks, visible, region, ratio, block_size=8):
+    """The kernel's operand bundles, with the page layout of the model's kv_format."""
+    return (K.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=ratio, block_size=block_size),
+            K.PagedIndexKV(pages=pages, page_table=table, region=region, page_tokens=PAGE_TOKENS,
+                           entry_bytes=index_entry_bytes(CFG)))
+
+
+def _scores(*args, ratio, block_size=8, **kw):
+    return K.index_scores_paged(*_bundles(*args, ratio, block_size), **kw)
+
+
+_ref_jit = jax.jit(K.ref_index_scores_paged)
+
+
+def _ref(*args, ratio, block_size=8):
+    return _ref_jit(*_bundles(*args, ratio, block_size))
 
 
 def _paged(ratio, lens, seed):
@@ -52,7 +68,7 @@ def _paged(ratio, lens, seed):
     for b, m in enumerate(need):
         table[b, :m] = perm[i:i + m]
         i += m
-    state = {"pages": jnp.full((P, layout.page_bytes), 0xFF, jnp.uint8), "page_table": jnp.asarray(table)}
+    state = PagedGlobal(jnp.full((P, layout.page_bytes), 0xFF, jnp.uint8), jnp.asarray(table))
     G = max(lens)
     mag = rng.uniform(0.05, 20.0, (B, G, 1))
     k = _qdq_idx(jnp.asarray(rng.standard_normal((B, G, DI)) * mag, jnp.bfloat16))
@@ -102,7 +118,7 @@ def test_ref_matches_model_index_scores(ratio):
     freqs = jnp.asarray(layer_freqs(CFG, ratio))
 
     def model(p, x, qr, qpos, pages, table):
-        index_k = PagedKV(layout).index_keys({"pages": pages, "page_table": table}, ratio, 0)
+        index_k = PagedKV(layout).index_keys(PagedGlobal(pages, table), ratio, 0)
         return A.index_scores(CFG, p, x, qr, qpos, index_k, ratio, freqs)
 
     def q_and_w(p, x, qr, qpos):  # the index query and head weights exactly as index_scores builds them
@@ -111,11 +127,11 @@ def test_ref_matches_model_index_scores(ratio):
         w = (dense(CFG, p["weights_proj"], x).astype(F32) * jnp.float32(DI ** -0.5 * HI ** -0.5)).astype(jnp.bfloat16)
         return q, w
 
-    want = jax.jit(model, compiler_options=NO_YNN)(p, x, qr, qpos, state["pages"], state["page_table"])
+    want = jax.jit(model, compiler_options=NO_YNN)(p, x, qr, qpos, state.pages, state.page_table)
     q, w = jax.jit(q_and_w, compiler_options=NO_YNN)(p, x, qr, qpos)
     nb = MAX_PAGES * (PAGE_TOKENS // ratio) // 8
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, T, nb))
-    got = K.index_scores_paged(q, w, state["pages"], state["page_table"], blocks, visible, region, ratio=ratio,
+    got = _scores(q, w, state.pages, state.page_table, blocks, visible, region, ratio=ratio,
                                implementation="xla")  # the public entry's XLA branch is the reference
     want = np.asarray(want)
     assert np.isfinite(want).sum() == vis_want.sum() and np.isneginf(want).sum() == want.size - vis_want.sum()
@@ -132,9 +148,9 @@ def test_kernel_full_scan(ratio, T):
     vis = np.array(lens, np.int32)[:, None] - np.arange(T - 1, -1, -1, dtype=np.int32)[None]  # last row = len
     nb = MAX_PAGES * (PAGE_TOKENS // ratio) // 8
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, T, nb))
-    args = (q, w, state["pages"], state["page_table"], blocks, jnp.asarray(vis), region)
+    args = (q, w, state.pages, state.page_table, blocks, jnp.asarray(vis), region)
     want = _ref(*args, ratio=ratio)
-    got = K.index_scores_paged(*args, ratio=ratio, interpret=INTERPRET, entries=64)
+    got = _scores(*args, ratio=ratio, interpret=INTERPRET, entries=64)
     _check(got, want)
     np.testing.assert_array_equal(np.isfinite(np.asarray(got)).sum(axis=-1), vis)
 
@@ -159,9 +175,9 @@ def test_kernel_candidate_subset(ratio, T):
             pick = np.sort(rng.choice(avail, size=m, replace=False))
             blocks[b, t, :m] = pick
     vis = np.array(lens, np.int32)[:, None] - np.arange(T - 1, -1, -1, dtype=np.int32)[None] * 5
-    args = (q, w, state["pages"], state["page_table"], jnp.asarray(blocks), jnp.asarray(vis), region)
+    args = (q, w, state.pages, state.page_table, jnp.asarray(blocks), jnp.asarray(vis), region)
     want = _ref(*args, ratio=ratio)
-    got = K.index_scores_paged(*args, ratio=ratio, interpret=INTERPRET, entries=64)
+    got = _scores(*args, ratio=ratio, interpret=INTERPRET, entries=64)
     _check(got, want)
     # the scored entries are exactly blocks*8+u below visible
     bb = np.broadcast_to(blocks, (B, T, nbc))
@@ -180,27 +196,27 @@ def test_kernel_ignores_poisoned_bytes_and_entry_tiles():
     nb = MAX_PAGES * PAGE_TOKENS // 8
     blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (2, 1, nb))
     vis = jnp.asarray([[37], [130]], jnp.int32)
-    got = K.index_scores_paged(q, w, state["pages"], state["page_table"], blocks, vis, region, ratio=ratio,
+    got = _scores(q, w, state.pages, state.page_table, blocks, vis, region, ratio=ratio,
                                interpret=INTERPRET, entries=32)
     # poison everything except the written index-key bytes
-    pages = np.asarray(state["pages"]).copy()
+    pages = np.asarray(state.pages).copy()
     keep = np.zeros_like(pages, bool)
-    table = np.asarray(state["page_table"])
+    table = np.asarray(state.page_table)
     off, n, eb = layout.region("idx", ratio, 0)
     for b, L in enumerate([37, 130]):
         for e in range(L):
             keep[table[b, e // n], off + (e % n) * eb: off + (e % n + 1) * eb] = True
     pages[~keep] = 0xFF
-    got2 = K.index_scores_paged(q, w, jnp.asarray(pages), state["page_table"], blocks, vis, region, ratio=ratio,
+    got2 = _scores(q, w, jnp.asarray(pages), state.page_table, blocks, vis, region, ratio=ratio,
                                 interpret=INTERPRET, entries=128)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(got2))
-    _check(got, _ref(q, w, state["pages"], state["page_table"], blocks, vis, region,
+    _check(got, _ref(q, w, state.pages, state.page_table, blocks, vis, region,
                                          ratio=ratio))
 
 
 def test_implementation_switch():
     with pytest.raises(ValueError):
-        K.index_scores_paged(*(jnp.zeros((1, 1, HI, DI), jnp.bfloat16), jnp.zeros((1, 1, HI), jnp.bfloat16),
+        _scores(*(jnp.zeros((1, 1, HI, DI), jnp.bfloat16), jnp.zeros((1, 1, HI), jnp.bfloat16),
                                jnp.zeros((2, 64), jnp.uint8), jnp.zeros((1, 1), jnp.int32),
                                jnp.zeros((1, 1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32), jnp.int32(0)),
                              ratio=1, implementation="triton")
@@ -222,7 +238,7 @@ def test_selection_helpers_match_model(ratio):
     visible = (qpos + 1) // ratio
     s20 = _scores_with_ties(B, T, C, visible, seed=ratio)  # candidate-source (layer 20) full scan
     mask = jax.jit(lambda s, p: A.candidate_blocks(cfg, s, p, ratio))(s20, qpos)
-    ids = jax.jit(lambda s, v: K.candidate_block_ids(s, v, n_keep=n_keep, block_size=bs))(s20, visible)
+    ids = jax.jit(lambda s, v: A.candidate_block_ids(s, v, n_keep=n_keep, block_size=bs))(s20, visible)
     ids_np = np.asarray(ids)
     assert ids.shape == (B, T, n_keep)
     got_mask = np.zeros(mask.shape, bool)
@@ -240,7 +256,7 @@ def test_selection_helpers_match_model(ratio):
     ent = (ids_np[..., None] * bs + np.arange(bs)).reshape(B, T, -1)
     ok = (np.repeat(ids_np, bs, -1) >= 0) & (ent < np.asarray(visible)[..., None])
     cand = np.where(ok, np.take_along_axis(np.asarray(s24), np.clip(ent, 0, C - 1), -1), -np.inf)
-    got = jax.jit(lambda c, i, v: K.select_topk_entries(c, i, v, k=min(k, C)))(jnp.asarray(cand, jnp.float32), ids,
+    got = jax.jit(lambda c, i, v: A.select_topk_entries(c, i, v, k=min(k, C)))(jnp.asarray(cand, jnp.float32), ids,
                                                                                visible)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -255,5 +271,5 @@ def test_full_shape_lowers_for_h200(nb, T, shared):
     args = (sds((B, T, HI, DI), jnp.bfloat16), sds((B, T, HI), jnp.bfloat16), sds((P, page_bytes), jnp.uint8),
             sds((B, max_pages), jnp.int32), sds((B, 1 if shared else T, nb), jnp.int32), sds((B, T), jnp.int32),
             sds((), jnp.int32))
-    text = common.lower_for_h200(lambda *a: K.index_scores_paged(*a, ratio=1, interpret=False), *args)
+    text = common.lower_for_h200(lambda *a: _scores(*a, ratio=1, interpret=False), *args)
     assert "triton" in text and "index_scores_paged" in text

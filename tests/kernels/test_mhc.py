@@ -1,4 +1,5 @@
-"""The mHC-coefficient kernel (interpret mode) against its reference and the model's hc_mixes; GPU lowering."""
+"""The mHC-coefficient kernel (interpret mode) against its one jnp reference (the model's layers.hc_coefficients,
+also the ops seam's XLA branch) and the model's hc_mixes; GPU lowering."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 from dsv41_jax import layers
 from pallas_kernels.common import lower_for_h200
-from pallas_kernels.mhc import hc_coefficients, ref_hc_coefficients
+from pallas_kernels.mhc import hc_coefficients
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])
@@ -16,7 +17,7 @@ def test_kernel_matches_reference(n):
     scale = jnp.asarray(rng.uniform(0.5, 1.0, 3), jnp.float32)
     base = jnp.asarray(rng.normal(0, 0.5, 24), jnp.float32)
     got = hc_coefficients(m, scale, base, hc=4, iters=20, eps=1e-6, block_rows=16)
-    want = ref_hc_coefficients(m, scale, base, hc=4, iters=20, eps=1e-6)
+    want = layers.hc_coefficients(m, scale, base, hc=4, iters=20, eps=1e-6)
     for g, w in zip(got, want):
         g, w = np.asarray(g), np.asarray(w)
         assert g.shape == w.shape and np.isfinite(g).all()
