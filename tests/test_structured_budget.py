@@ -89,7 +89,8 @@ CASES = {
               lambda s: check_calls(s, "grep", False)),
     "json_schema": (StructuredOutputs(json=PERSON), lambda s: jsonschema.validate(json.loads(s), PERSON)),
     "json_object": (StructuredOutputs(json_object=True), lambda s: isinstance(json.loads(s), dict) or 1 / 0),
-    "regex": (StructuredOutputs(regex=r"[a-c]{3}-\d{2,}"), lambda s: re.fullmatch(r"[a-c]{3}-\d{2,}", s) or 1 / 0),
+    "regex": (StructuredOutputs(regex=r"[a-c]{3}-[0-9]{2,}"),
+              lambda s: re.fullmatch(r"[a-c]{3}-[0-9]{2,}", s) or 1 / 0),
     "grammar": (StructuredOutputs(grammar='start: "[" item ("," item)* "]"\nitem: /[0-9]+/ | "\\n"'),
                 lambda s: re.fullmatch(r"\[([0-9]+|\n)(,([0-9]+|\n))*\]", s) or 1 / 0),
 }

@@ -10,20 +10,21 @@ request whose shortest completion (`CompiledGrammar.min_tokens`) does not fit is
 gRPC INVALID_ARGUMENT), and each step keeps it:
 
 - free zone (slack = remaining - len(path) >= `zone`): the grammar's own mask, at no extra cost;
-- closing zone (slack < zone): each grammar token gets the number of tokens a completion needs if it is chosen,
-  and only those that fit stay allowed: the path's head needs len(path); a token after which the same path still
-  closes the grammar (more free text, checked with `validate_tokens`) needs 1 + len(path) (+1 when the path ends
-  without an end-of-sequence token, a conservative bound); any other (structural) token needs 1 + its own
-  shortest closing, searched within SEARCH_S per step; until searched it stays masked. The path's head is always
-  allowed, so the output is complete when the budget runs out. The classification is reused while the grammar
+- closing zone (slack < zone): each grammar token gets the number of tokens a completion needs if it is chosen, and
+  only those that fit stay allowed: the path's head needs len(path); a token after which the same path still closes
+  the grammar (more free text, checked with `validate_tokens`) needs 1 + len(path) (+1 when the path ends without an
+  end-of-sequence token, a conservative bound); any other (structural) token needs 1 + its own closing (a repair of
+  the path, searched for SEARCHES_PER_STEP such tokens per step); until searched it stays masked. The path's head is
+  always allowed, so the output is complete when the budget runs out. The classification is reused while the grammar
   mask and the path are unchanged (inside a free string they are).
 - after a token the path loses its head, or stays if it still closes, or becomes the searched closing of that
-  structural token, or is searched again.
+  structural token, or is repaired: the shortest detour from the new state that rejoins a suffix of the old path
+  (a few states), else searched anew. A repaired path is an upper bound, not always the shortest.
 
 What is not exact: the free zone checks nothing, so one token could raise the closing length by more than the
 zone (it would have to commit, in one token, to a mandatory structure longer than the zone: the zone is
-`max(32, 2 * min_tokens + 8)`, larger than an extra DSML call or parameter or an optional schema member in
-ordinary grammars); `Budget.overrun` records it. In the closing zone a structural token whose closing was not
+`32 + min_tokens`, more than an extra DSML call or parameter, or an optional schema member, costs in ordinary
+grammars); `Budget.overrun` records it. In the closing zone a structural token whose closing was not
 searched yet, or not found, is masked although it might fit.
 
 The search (`shortest_closing`): Dijkstra over tokens. A forced run (`compute_ff_tokens`) is one edge. At a
@@ -40,13 +41,14 @@ has fixed separators, so whitespace cannot pad a completion either.
 from __future__ import annotations
 
 import heapq
-import time
 
 import numpy as np
 
 MAX_NODES = 2000  # search nodes before giving up (a closing path that long is not worth serving)
 MIN_ZONE = 32
-SEARCH_S = 0.005  # per step, for the closings of structural tokens in the closing zone
+REPAIR_NODES = 64  # states searched to rejoin the old path after a structural token
+SEARCHES_PER_STEP = 4  # closings of structural tokens searched per step in the closing zone
+STRUCTURAL_NODES = 128  # states per such search
 
 
 class TokenTable:
@@ -121,18 +123,28 @@ def closes(m, path: list[int], eos: int | None = None) -> bool:
 
 
 def shortest_closing(m, vocab_size: int, eos: int | None, table: TokenTable, max_nodes: int = MAX_NODES,
-                     deadline: float | None = None) -> list[int] | None:
+                     reuse: list[int] | None = None) -> list[int] | None:
     """The fewest-token completion from matcher m's state (m is unchanged), or None if none is found (within
-    `max_nodes` expanded states and before `deadline`, a time.perf_counter() value)."""
+    `max_nodes` expanded states). With `reuse` (an earlier
+    closing path), a state from which a suffix of it closes the grammar ends the search there: the result is the
+    shortest repair that rejoins that path, an upper bound found in a few states."""
     for loops in (False, True):
-        path = _search(m, vocab_size, eos, table, loops, max_nodes, deadline)
+        path = _search(m, vocab_size, eos, table, loops, max_nodes, reuse)
         if path is not None:
             return path
     return None
 
 
+def _rejoin(node, path: list[int], eos: int | None) -> list[int] | None:
+    """The shortest suffix of `path` that closes the grammar from node's state."""
+    for k in range(len(path), -1, -1):
+        if closes(node, path[k:], eos):
+            return path[k:]
+    return None
+
+
 def _search(m, vocab_size: int, eos: int | None, table: TokenTable, loops: bool, max_nodes: int,
-            deadline: float | None):
+            reuse: list[int] | None):
     row = np.zeros((vocab_size + 31) // 32, np.uint32)
     heap = [(0, 0, m.deep_copy(), ())]
     seen: set[tuple] = set()
@@ -142,8 +154,14 @@ def _search(m, vocab_size: int, eos: int | None, table: TokenTable, loops: bool,
         if node is None or node.is_stopped():
             return list(path)
         expanded += 1
-        if expanded > max_nodes or (deadline is not None and time.perf_counter() > deadline):
+        if expanded > max_nodes:
             return None
+        if reuse:
+            tail = _rejoin(node, reuse, eos)
+            if tail is not None:
+                heapq.heappush(heap, (cost + len(tail), seq, None, path + tuple(tail)))
+                seq += 1
+                continue
         if node.is_accepting() and eos is not None:
             heapq.heappush(heap, (cost + 1, seq, None, path + (eos,)))
             seq += 1
@@ -205,6 +223,10 @@ class Budget:
         """Narrow the grammar mask in `row` (already written) to the tokens after which a completion fits."""
         if not self.path or self.remaining - len(self.path) >= self.zone:
             return
+        if self.remaining <= len(self.path):  # no slack: the path's head is the only token that fits
+            row[:] = 0
+            row[self.path[0] // 32] = np.uint32(1) << np.uint32(self.path[0] % 32)
+            return
         key = (row.tobytes(), tuple(self.path))
         if key != self._key:
             self._classify(row)
@@ -230,15 +252,14 @@ class Budget:
                 need[i] = 1 + n
         self._ids, self._need = ids, need
 
-    def _search_some(self, seconds: float = SEARCH_S):
-        """Search the closings of structural tokens for up to `seconds` per step (the rest stay masked)."""
-        deadline = time.perf_counter() + seconds
-        while self._todo and time.perf_counter() < deadline:
+    def _search_some(self):
+        """Search the closings of a few structural tokens per step (deterministic: a count, not a clock)."""
+        for _ in range(min(SEARCHES_PER_STEP, len(self._todo))):
             i = self._todo.pop()
             t = int(self._ids[i])
             self.m.consume_token(t)
             found = [] if self.m.is_stopped() else shortest_closing(self.m, self.vocab_size, self.eos, self.table,
-                                                                     deadline=deadline)
+                                                                     STRUCTURAL_NODES, reuse=self.path)
             self.m.rollback(1)
             if found is not None:
                 self._paths[t] = found
@@ -251,8 +272,10 @@ class Budget:
             self.path = self.path[1:]
         elif token in self._paths and closes(self.m, self._paths[token], self.eos):
             self.path = self._paths[token]
-        elif not closes(self.m, self.path, self.eos):
-            self.path = shortest_closing(self.m, self.vocab_size, self.eos, self.table) or []
+        elif not closes(self.m, self.path, self.eos):  # a structural token: rejoin the old path, else search anew
+            self.path = (shortest_closing(self.m, self.vocab_size, self.eos, self.table, REPAIR_NODES,
+                                          reuse=self.path)
+                         or shortest_closing(self.m, self.vocab_size, self.eos, self.table) or [])
         if len(self.path) > self.remaining:
             self.overrun = True
 

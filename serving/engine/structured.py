@@ -182,7 +182,7 @@ class CompiledGrammar:
         self.vocab_size, self.eos, self.table = vocab_size, eos, table
         self.min_path = budget.shortest_closing(matcher, vocab_size, eos, table)
         self.min_tokens = len(self.min_path) if self.min_path is not None else None
-        self.zone = max(budget.MIN_ZONE, 2 * (self.min_tokens or 0) + 8)
+        self.zone = budget.MIN_ZONE + (self.min_tokens or 0)
 
     def check_budget(self, max_tokens: int):
         """GrammarError (HTTP 400) when no completion fits in `max_tokens` tokens."""
