@@ -32,7 +32,8 @@ choice node the allowed tokens are grouped by what they lead to (grammar stopped
 that follow / else the next mask; tokens ending inside a UTF-8 character by the first three only), keeping the
 longest token per group; states with one signature at one cost are expanded once. A child with its parent's
 signature (more free text) is skipped unless nothing is found without such children (minimum lengths need them);
-a token made only of bytes that each lead back to the node's signature is such a child without being tried.
+a token made only of bytes that each lead back to the node's signature is such a child without being tried, and
+of the other tokens only the SIGNATURES shortest are tried.
 The result is the fewest tokens among these representatives: the true minimum unless two states with one
 signature have different shortest futures. JSON is compact (no optional whitespace) and the DSML tool grammar
 has fixed separators, so whitespace cannot pad a completion either.
@@ -46,22 +47,26 @@ import numpy as np
 
 MAX_NODES = 2000  # search nodes before giving up (a closing path that long is not worth serving)
 MIN_ZONE = 32
-REPAIR_NODES = 64  # states searched to rejoin the old path after a structural token
-SEARCHES_PER_STEP = 4  # closings of structural tokens searched per step in the closing zone
-STRUCTURAL_NODES = 128  # states per such search
+SIGNATURES = 128  # tokens tried per search state beyond those made of looping bytes (shortest first)
+REPAIR_NODES = 32  # states searched to rejoin the old path after a structural token
+SEARCHES_PER_STEP = 2  # closings of structural tokens searched per step in the closing zone
+STRUCTURAL_NODES = 16  # states per such search
 
 
 class TokenTable:
-    """Per token id: its bytes (padded), length, whether it ends inside a UTF-8 character; the single-byte tokens."""
+    """Per token id: its length, its ASCII bytes (a bitset), whether it has other bytes and whether it ends inside
+    a UTF-8 character; and the single-byte tokens."""
 
     def __init__(self, token_bytes: list[bytes], special: set[int] = frozenset()):
-        n = max((len(b) for b in token_bytes), default=1) or 1
         self.length = np.array([len(b) for b in token_bytes], np.int32)
         self.partial = np.array([_ends_inside_char(b) for b in token_bytes], bool)
-        self.padded = np.full((len(token_bytes), n), 256, np.int16)  # 256: padding
+        self.ascii = np.zeros((len(token_bytes), 2), np.uint64)  # bit c % 64 of word c // 64: has ASCII byte c
+        self.non_ascii = np.array([any(c >= 128 for c in b) for b in token_bytes], bool)
         self.byte_token = np.full(256, -1, np.int64)
         for t, b in enumerate(token_bytes):
-            self.padded[t, :len(b)] = np.frombuffer(b, np.uint8)
+            for c in set(b):
+                if c < 128:
+                    self.ascii[t, c // 64] |= np.uint64(1) << np.uint64(c % 64)
             if len(b) == 1 and t not in special and self.byte_token[b[0]] < 0:
                 self.byte_token[b[0]] = t
 
@@ -175,18 +180,20 @@ def _search(m, vocab_size: int, eos: int | None, table: TokenTable, loops: bool,
         tokens = _mask_tokens(node, vocab_size, row)
         itself = (False, node.is_accepting(), (), row.tobytes())  # a child like this node: more free text
         allowed = set(tokens.tolist())
-        loop_byte = np.zeros(257, bool)
-        loop_byte[256] = True  # padding
+        loop_bits = np.zeros(2, np.uint64)  # ASCII bytes that lead back to a state like this one
         for byte, t in enumerate(table.byte_token[:128].tolist()):
-            if t >= 0 and t in allowed:
-                loop_byte[byte] = _signature(node, t, table, row) == itself
+            if t >= 0 and t in allowed and _signature(node, t, table, row) == itself:
+                loop_bits[byte // 64] |= np.uint64(1) << np.uint64(byte % 64)
         # non-ASCII text: one character per UTF-8 length stands for all (grammars rarely tell them apart)
-        loop_byte[128:256] = all(_text_loops(node, table, ch, itself, row) for ch in "é中😀")
-        looping = loop_byte[table.padded[tokens]].all(axis=1)  # only loop bytes: the same state again
+        text_loops = all(_text_loops(node, table, ch, itself, row) for ch in "é中😀")
+        looping = ((table.ascii[tokens] & ~loop_bits) == 0).all(axis=1) & (text_loops | ~table.non_ascii[tokens])
         if loops and looping.any():
             rep = tokens[looping][np.argmax(table.length[tokens[looping]])]
             groups[itself] = (int(rep), 0)
-        for t in tokens[~looping].tolist():
+        others = tokens[~looping]
+        if len(others) > SIGNATURES:  # the shortest tokens carry the structure; long ones are mostly text
+            others = others[np.argsort(table.length[others], kind="stable")[:SIGNATURES]]
+        for t in others.tolist():
             if t == eos:
                 continue
             sig = _signature(node, t, table, row)
