@@ -234,10 +234,10 @@ def _value_rule(schema: dict) -> tuple[str, str]:
         if "const" in schema:
             return "true", _lit(schema["const"])
         lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-        if isinstance(hi, int) or (isinstance(lo, int) and lo > 0):  # exact lengths: no "<" at all
+        if isinstance(hi, int) or (isinstance(lo, int) and lo > 0):
             lo = lo if isinstance(lo, int) and lo >= 0 else 0
             return "true", f"/[^<]{{{lo},{hi if isinstance(hi, int) else ''}}}/"
-        return "true", "/([^<]|<[^\\/<])*/"  # raw text that never contains "</" (the closing tag)
+        return "true", "/[^<]*/"  # raw text without "<" (a "<" would have to extend the text or start the tag)
     sub = dict(schema)
     sub["x-guidance"] = {"whitespace_flexible": False}
     return "false", "%json " + json.dumps(sub, ensure_ascii=False)
@@ -275,7 +275,8 @@ def check_tools(tools) -> list[dict]:
 def tool_call_grammar(tools: list[dict], only: str | None = None, parallel: bool = True) -> str:
     """Lark (llguidance dialect) for an output that is exactly one DSML block: calls of `only` (one call) or of
     any tool (one or more when `parallel`). Parameters come in schema order; required ones must appear, optional
-    ones may. Raw string values cannot contain "</" (nor "<" at all when they have a length bound)."""
+    ones may; no whitespace between elements beyond the format's own newlines. Raw string values cannot contain
+    "<": llguidance's lexer is greedy, so a "<" that could continue the text would never end it."""
     lines, alts = [], []
     for ti, t in enumerate(tools):
         fn = t["function"]

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving.api.context import ServerContext
 from serving.api.engine_client import EngineError, GenRequest, QueueFull, ServerDraining
-from serving.api.protocol import ApiError, check_prompt_ids, check_unicode
+from serving.api.protocol import ApiError, check_budget, check_prompt_ids, check_unicode
 from serving.api.security import ANONYMOUS, LimitedStream, LimitExceeded, Tenant
 from serving.engine.structured import StructuredOutputs
 from serving.engine.types import MAX_LOGPROBS, SamplingParams
@@ -206,6 +206,7 @@ class GrpcApi:
             gen = self._build(req, tenant)
             if gen.params.structured is not None:
                 await self.ctx.compile_grammar(gen.params.structured)
+                check_budget(gen.params.structured, gen.params.max_tokens, "sampling_params.max_tokens")
         except _Invalid as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ApiError as e:

@@ -43,6 +43,7 @@ from serving.api.protocol import (
     bad,
     build_sampling_params,
     chat_messages,
+    check_budget,
     check_ids,
     check_logprobs,
     check_n,
@@ -271,6 +272,7 @@ class HttpApi:
             sp = build_sampling_params(req, max_tokens=max_tokens, vocab_size=ctx.vocab_size,
                                        has_tokenizer=ctx.has_tokenizer, logprobs=req.logprobs, prompt_logprobs=plp)
             sp.structured = constraint
+            check_budget(constraint, max_tokens)
             text = None
             if req.echo:
                 text = p if isinstance(p, str) else ctx.tokenizer.decode(ids)
@@ -411,6 +413,7 @@ class HttpApi:
                                    has_tokenizer=ctx.has_tokenizer, logprobs=n_top if req.logprobs else None,
                                    prompt_logprobs=req.prompt_logprobs)
         sp.structured = constraint
+        check_budget(constraint, max_tokens, field)
         base = self._base_id(req, "chatcmpl")
         rids = [tenant.scoped(r) for r in self._sub_ids(base, req.n)]
         subs = [GenRequest(rids[j], ids, sp if j == 0 or sp.seed is None else _reseed(sp, sp.seed + j), session,

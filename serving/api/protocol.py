@@ -10,6 +10,7 @@ Structured outputs (one per request): `response_format` ({"type": "json_object"}
 "json_schema": {"schema": ...}}), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
 "json_object"}) and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields;
 `tool_choice` "required" or a named function adds the DSML tool-call grammar (so it excludes the others).
+A constrained request whose max_tokens cannot hold the constraint's shortest completion is a 400 (`check_budget`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serving.api import dsml
-from serving.engine.structured import StructuredOutputs
+from serving.engine.structured import GrammarError, StructuredOutputs
 from serving.engine.types import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("serving.api")
@@ -384,6 +385,15 @@ def structured_outputs(req: _Common) -> StructuredOutputs | None:
     except ValueError as e:
         raise bad(f"{name}: {e}", name) from None
     return so
+
+
+def check_budget(so: StructuredOutputs | None, max_tokens: int, field: str = "max_tokens"):
+    """400 when a compiled output constraint has no completion that fits in max_tokens (before any work)."""
+    if so is not None and so.compiled is not None:
+        try:
+            so.compiled.check_budget(max_tokens)
+        except GrammarError as e:
+            raise bad(str(e), field) from None
 
 
 def tool_choice(req: ChatCompletionRequest, auto_enabled: bool) -> tuple[str, str | None]:

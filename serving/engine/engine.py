@@ -257,7 +257,7 @@ class Engine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_ids)
             self._grammars.compile(sp.structured)
-        return sp.structured.compiled.new_state()
+        return sp.structured.compiled.new_state(sp.max_tokens)  # budget-aware: closes within max_tokens
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

@@ -11,6 +11,11 @@ choice of strings, or a Lark / GBNF grammar) is compiled once into a `CompiledGr
 - `GrammarState.advance(token)` consumes the sampled token when it is appended; `done` turns true once the
   grammar can only end (the engine finishes the request with reason "stop").
 
+Budgets: `new_state(max_tokens)` makes the state budget-aware (serving/engine/grammar_budget.py): the output
+closes within `max_tokens` whenever a valid completion fits, and `CompiledGrammar.min_tokens` (the fewest tokens
+of any completion, in the served tokenizer's tokens, end-of-sequence included when the grammar needs it) lets
+the API refuse a request whose budget is smaller, before any work (`check_budget`).
+
 Why llguidance: one self-contained Rust wheel (abi3, no Python dependencies, no torch) that computes masks on
 the CPU in tens of microseconds per token even for large vocabularies, supports JSON schema, regex, Lark (with
 inline `%json` sub-grammars, used for tool calls) and GBNF, and writes the exact uint32 bitmask layout our
@@ -29,6 +34,8 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from serving.engine import grammar_budget as budget
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -118,6 +125,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids, cache_size: int = 256):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, set(eos_ids)
         self._ll = None
+        self._table: budget.TokenTable | None = None
         self._lock = threading.Lock()
         self._cache: dict[str, CompiledGrammar] = {}
         self.cache_size = cache_size
@@ -128,6 +136,16 @@ class GrammarCompiler:
             if self._ll is None:
                 self._ll = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
             return self._ll
+
+    @property
+    def table(self) -> budget.TokenTable:
+        """Token lengths and UTF-8 boundaries, for the closing-path search."""
+        ll = self.ll
+        with self._lock:
+            if self._table is None:
+                self._table = budget.TokenTable([ll.decode_bytes([t]) for t in range(self.vocab_size)],
+                                                {t for t in range(self.vocab_size) if ll.is_special_token(t)})
+            return self._table
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Compile (or fetch from the cache) and attach the result to `spec.compiled`. Raises GrammarError."""
@@ -142,7 +160,11 @@ class GrammarCompiler:
             m = llg.LLMatcher(self.ll, g, log_level=0)  # drops the GIL while it builds
             if m.is_error():
                 raise GrammarError(f"invalid {spec.kind()} constraint: {m.get_error()}")
-            hit = CompiledGrammar(m, self.vocab_size)
+            eos = min(self.eos_ids) if self.eos_ids else None
+            hit = CompiledGrammar(m, self.vocab_size, eos, self.table)
+            if hit.min_path is None:
+                raise GrammarError(f"the {spec.kind()} constraint has no completion that this server can find "
+                                   f"(searched {budget.MAX_NODES} states)")
             with self._lock:
                 if len(self._cache) >= self.cache_size:
                     self._cache.pop(next(iter(self._cache)))
@@ -152,21 +174,38 @@ class GrammarCompiler:
 
 
 class CompiledGrammar:
-    """A compiled grammar in its start state (never advanced; each request deep-copies it)."""
+    """A compiled grammar in its start state (never advanced; each request deep-copies it), with its shortest
+    completion (`min_path`, `min_tokens`)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos: int | None, table: budget.TokenTable):
         self._proto = matcher
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos, self.table = vocab_size, eos, table
+        self.min_path = budget.shortest_closing(matcher, vocab_size, eos, table)
+        self.min_tokens = len(self.min_path) if self.min_path is not None else None
+        self.zone = budget.MIN_ZONE + (self.min_tokens or 0)
 
-    def new_state(self) -> GrammarState:
-        return GrammarState(self._proto.deep_copy())
+    def check_budget(self, max_tokens: int):
+        """GrammarError (HTTP 400) when no completion fits in `max_tokens` tokens."""
+        if self.min_tokens is not None and max_tokens < self.min_tokens:
+            raise GrammarError(f"max_tokens={max_tokens} is too small for this output constraint: its shortest "
+                               f"valid completion is {self.min_tokens} tokens")
+
+    def new_state(self, max_tokens: int | None = None) -> GrammarState:
+        """A request's state; with `max_tokens`, budget-aware (GrammarError if no completion fits)."""
+        m = self._proto.deep_copy()
+        if max_tokens is None:
+            return GrammarState(m)
+        self.check_budget(max_tokens)
+        return GrammarState(m, budget.Budget(m, max_tokens, self.min_path, self.vocab_size, self.eos, self.table,
+                                             self.zone))
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar (and, when budget-aware, its closing path)."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, budget_: budget.Budget | None = None):
         self.m = matcher
+        self.budget = budget_
         self.error: str | None = None
 
     def fill(self, row: np.ndarray):
@@ -174,10 +213,14 @@ class GrammarState:
         if not row.flags["C_CONTIGUOUS"] or row.dtype != np.uint32:
             raise ValueError("the mask row must be a C-contiguous uint32 array")
         self.m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self.budget is not None:
+            self.budget.filter(row)
 
     def advance(self, token: int) -> bool:
         """Consume a sampled token; False (and `error` set) if the grammar rejects it."""
         if self.m.consume_token(int(token)):
+            if self.budget is not None:
+                self.budget.advance(int(token))
             return True
         self.error = self.m.get_error() or f"token {token} is not allowed by the grammar"
         return False
