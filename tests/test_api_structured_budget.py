@@ -17,10 +17,11 @@ import openai
 import pytest
 
 from serving.api import dsml
-from serving.api.testing import LONG_ENGINE_ARGS, BackgroundServer, shared_cache_dir
+from serving.engine.config import shared_cache_dir
 from serving.engine.structured import StructuredOutputs
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
+from tests.harness import LONG_ENGINE_ARGS, BackgroundServer
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
