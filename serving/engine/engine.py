@@ -192,7 +192,7 @@ class Engine:
     def _new_rank(self, i: int) -> Rank:
         a = self.args
         pool = PagePool(a.num_pages, a.enable_prefix_caching, a.session_ttl_s)
-        snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots)
+        snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots, a.session_ttl_s)
         return Rank(i, pool, Scheduler(a, pool, self.cfg.window_size, snaps, self.metrics), snaps)
 
     def _rank_of(self, req: Request) -> Rank:
@@ -206,7 +206,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
-                    session_id: str | None = None, cache_salt: str | None = None, callback=None):
+                    session_id: str | None = None, cache_salt: str | None = None, callback=None,
+                    end_session: bool = False):
+        """Queue a request. `end_session`: the session's last turn (its retention ends when this request does)."""
         sp = sampling_params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -233,7 +235,7 @@ class Engine:
         drawn = int(self._seeds.integers(0, 2 ** 32))
         seed = (sp.seed if sp.seed is not None else drawn) & 0xFFFFFFFF
         req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback,
-                      seed=seed)
+                      seed=seed, end_session=end_session and session_id is not None)
         req.out.grammar = grammar  # structured outputs: advanced in _append, masks the sampler in _fill_row
         special = set(sp.stop_token_ids) | (self.eos_ids if not sp.ignore_eos else set())
         req.out.detok = IncrementalDetokenizer(self.tokenizer, skip_ids=special, stop=sp.stop,
@@ -266,6 +268,18 @@ class Engine:
         self._finish(req, "abort", emit=True)
         self.metrics.inc("requests_aborted")
         return True
+
+    def end_session(self, session_id: str) -> int:
+        """The end-of-session hint: lift the retention of the session's cached pages and snapshots (they stay
+        cached as ordinary LRU entries, first in line for eviction) and forget its data-parallel rank. Returns
+        the number of pages and snapshots unprotected."""
+        n = 0
+        for rank in self.ranks:
+            n += rank.pool.end_session(session_id)
+            if rank.snapshots is not None:
+                n += rank.snapshots.end_session(session_id)
+        self.placement.sessions.pop(session_id, None)
+        return n
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or any(r.scheduler.running or r.scheduler.waiting for r in self.ranks)
@@ -505,7 +519,7 @@ class Engine:
         s.registered = max(s.registered, full)
         if rank.snapshots is not None and s.num_computed in s.boundaries:
             k = s.num_computed // BLOCK
-            slot = rank.snapshots.claim(s.hashes[k - 1])
+            slot = rank.snapshots.claim(s.hashes[k - 1], req.session_id, time.perf_counter())
             if slot is not None:
                 self.runner.snapshot(True, s.slot, slot, rank.index)
 
@@ -551,6 +565,8 @@ class Engine:
         """Release the request's pages and slot now; its final output is emitted by the step (or here)."""
         if req.status != FINISHED:
             self._rank_of(req).scheduler.finish(req, reason)
+            if req.end_session:
+                self.end_session(req.session_id)
         req.out.finish_reason = reason
         self.metrics.finished(reason)
         if reason != "abort":

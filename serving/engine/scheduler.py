@@ -117,7 +117,7 @@ class Scheduler:
         if self.args.swa_bounded_replay:
             start = max(H - self.W, 0)
         elif hits and self.snapshots is not None:
-            k, restore = self.snapshots.best(s.hashes[:len(hits)])
+            k, restore = self.snapshots.best(s.hashes[:len(hits)], req.session_id, now)
             start = k * BLOCK
             if self.metrics:  # where exact mode's time goes: a hit without a snapshot at its end recomputes
                 self.metrics.inc("snapshot_restores" if restore is not None else "snapshot_misses")
