@@ -51,7 +51,8 @@ class Metrics:
     GAUGES = {
         "running": ("vllm:num_requests_running", "Requests running"),
         "waiting": ("vllm:num_requests_waiting", "Requests waiting"),
-        "kv_usage": ("vllm:kv_cache_usage_perc", "Fraction of global-KV pages in use or cached"),
+        "kv_usage": ("vllm:kv_cache_usage_perc",
+                     "Fraction of global-KV pages held by requests (free cached pages count as free, as in vLLM)"),
         "compiled_programs": ("dsv41:compiled_programs", "Compiled step programs"),
         "snapshot_bytes": ("dsv41:swa_snapshot_bytes", "Device bytes held for exact-mode SWA snapshots"),
     }
