@@ -49,6 +49,7 @@ from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
+from serving.engine.host_tier import HostTier
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
 from serving.engine.request import FINISHED, Request
@@ -178,6 +179,7 @@ class Engine:
         self.metrics.set("compiled_programs", self.runner.compile_count)
         self.metrics.set("snapshot_bytes", sum(v for k, v in self.runner.pool_bytes().items() if k.startswith("snap")))
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
         self.pool, self.scheduler, self.snapshots = self.ranks[0].pool, self.ranks[0].scheduler, self.ranks[0].snapshots
         self.placement = Placement(self.args.dp_load_cap, self.args.enable_prefix_caching)
@@ -189,9 +191,20 @@ class Engine:
         self._grammars = None  # structured outputs: a GrammarCompiler, made on first use
         self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
 
+    def _host_tier(self) -> HostTier | None:
+        a = self.args
+        if a.kv_offloading_size <= 0 or not a.enable_prefix_caching:
+            return None
+        if jax.process_count() > 1:
+            raise ValueError("--kv-offloading-size is not supported in a multi-host run")
+        return HostTier(a.kv_offloading_size * 2 ** 30, int(self.runner.pools["pages"].shape[1]),
+                        self.runner.read_pages, self.runner.write_pages, self.metrics)
+
     def _new_rank(self, i: int) -> Rank:
         a = self.args
         pool = PagePool(a.num_pages, a.enable_prefix_caching, a.session_ttl_s)
+        if self.host_tier is not None:
+            pool.attach_tier(self.host_tier, i * a.num_pages)
         snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots, a.session_ttl_s)
         return Rank(i, pool, Scheduler(a, pool, self.cfg.window_size, snaps, self.metrics), snaps)
 
@@ -350,9 +363,13 @@ class Engine:
         self.metrics.set("running", sum(len(r.scheduler.running) for r in self.ranks))
         self.metrics.set("waiting", self._n_waiting())
         self.metrics.set("kv_usage", sum(r.pool.usage() for r in self.ranks) / len(self.ranks))
+        if self.host_tier is not None:
+            self.metrics.set("offload_pages", self.host_tier.num_pages())
 
     def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
         inflight = _InFlight()
+        if self.host_tier is not None:  # pages restored from host memory, before any program reads them
+            self._guarded(inflight, [], self.host_tier.flush)  # a failure: the pools are checked (rebuilt)
         for p in plans:
             s = p.req.sched
             if s.restore_snapshot is not None:

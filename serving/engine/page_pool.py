@@ -44,6 +44,8 @@ class PagePool:
         self.session_of: dict[int, str] = {}  # page in free_session -> the session protecting it
         self.session_pages: dict[str, set[int]] = {}  # session -> its pages in free_session
         self._next_expiry = float("inf")  # min of free_session's deadlines (or earlier)
+        self.tier = None  # a serving.engine.host_tier.HostTier (--kv-offloading-size), see attach_tier
+        self.rows_base = 0  # this pool's first row in the device pages pool (data-parallel rank * num_pages)
         self.evictions = 0
 
     # ------------------------------------------------------------------ queries
@@ -124,7 +126,7 @@ class PagePool:
         if n > self.num_free():
             return None
         self._expire(now)
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             p = self._pop_victim()
             h = self.hash_of.pop(p, None)
@@ -132,8 +134,35 @@ class PagePool:
                 if self.by_hash.get(h) == p:
                     del self.by_hash[h]
                 self.evictions += 1
+                evicted.append((self.rows_base + p, h))
             self.ref[p] = 1
             out.append(p)
+        if evicted and self.tier is not None:  # before anyone writes these pages: their bytes go to the host
+            self.tier.evicted(evicted)
+        return out
+
+    def attach_tier(self, tier, rows_base: int = 0):
+        """Offload evicted cached pages to a host tier and restore from it (`restore`)."""
+        self.tier, self.rows_base = tier, rows_base
+
+    def restore(self, hashes: list[bytes], now: float = 0.0) -> list[int]:
+        """Pages for the longest prefix of `hashes` (the blocks right after the device hits) that the host tier
+        holds: freshly allocated (ref = 1), registered under their hashes, their bytes queued for the copy
+        back (HostTier.flush, before the next programs run)."""
+        out = []
+        if self.tier is None or not self.caching:
+            return out
+        for h in hashes:
+            if h in self.by_hash or not self.tier.has(h):
+                break
+            got = self.allocate(1, now)
+            if got is None:
+                break
+            if not self.tier.queue_restore(self.rows_base + got[0], h):
+                self.release(got)
+                break
+            self.register(got[0], h)
+            out.append(got[0])
         return out
 
     def release(self, pages: list[int], session: str | None = None, now: float = 0.0):
@@ -187,6 +216,8 @@ class PagePool:
         self.free_session.clear()
         self.session_of.clear()
         self.session_pages.clear()
+        if self.tier is not None:
+            self.tier.drop_device()
         self.hash_of.clear()
         self.by_hash.clear()
 

@@ -112,6 +112,9 @@ class Scheduler:
         use_cache = self.args.enable_prefix_caching and req.sampling.prompt_logprobs is None
         max_hit_pages = (N - 1) // BLOCK
         hits = self.pool.lookup(s.hashes[:max_hit_pages]) if use_cache else []
+        self.pool.acquire(hits)
+        if use_cache:  # the host tier (--kv-offloading-size) continues the device hits
+            hits += self.pool.restore(s.hashes[len(hits):max_hit_pages], now)
         H = len(hits) * BLOCK
         start, restore = 0, None
         if self.args.swa_bounded_replay:
@@ -123,7 +126,6 @@ class Scheduler:
                 self.metrics.inc("snapshot_restores" if restore is not None else "snapshot_misses")
                 self.metrics.inc("snapshot_recomputed_tokens", H - start)
         need = pages_for(N) - len(hits)
-        self.pool.acquire(hits)
         got = self.pool.allocate(need, now)
         if got is None:
             self.pool.release(hits, None, now)
