@@ -1,5 +1,7 @@
 """Two CPU replicas behind an existing router (vllm-router from PyPI; issue 27), on loopback ports.
 
+- the end-of-session hints (`POST /v1/sessions/{id}/end` with the session header, `X-Session-End: 1`) reach the
+  replica holding the session through the router;
 - with `X-Session-Id` and the router's `consistent_hash` policy every warm turn of a replayed multi-turn session
   set lands on the replica holding its prefix (cached_tokens > 0); with `round_robin` fewer do;
 - a replica killed between turns: its sessions move to the other one and still complete (cold), nothing is lost;
@@ -132,10 +134,10 @@ class Sessions:
         self.base = [text(100) for _ in range(n)]
         self.ext = [[text(50) for _ in range(2)] for _ in range(n)]
 
-    def turn(self, url, s, t, header=True):
+    def turn(self, url, s, t, header=True, extra_headers=None):
         body = {"model": "tiny", "prompt": self.base[s] + "".join(self.ext[s][:t]), "max_tokens": 2,
                 "temperature": 0.0, "ignore_eos": True}
-        headers = {"X-Session-Id": f"r{self.uid}-{s}"} if header else {}
+        headers = {"X-Session-Id": f"r{self.uid}-{s}", **(extra_headers or {})} if header else {}
         status, out = request(url, "/v1/completions", body, headers)
         assert status == 200, out
         return out["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -155,6 +157,26 @@ def test_session_affinity_beats_round_robin(fleet):
         if policy == "consistent_hash":  # every warm turn hit its prefix on the replica that served the last
             assert cached[1] == [64 - W] * n and cached[2] == [128 - W] * n
     assert warm["consistent_hash"] == 2 * n > warm["round_robin"]
+
+
+def protected(urls) -> int:
+    return sum(request(u, "/engine/stats")[1]["pages"]["session_protected"] for u in urls)
+
+
+@needs_router
+def test_end_of_session_hints_pass_through_the_router(fleet):
+    urls = [s.http_url for s in fleet]
+    ss = Sessions(3, 7)
+    with router(urls, "consistent_hash") as url:
+        p0 = protected(urls)
+        ss.turn(url, 0, 2)  # 201 tokens: 3 full pages protected for the session
+        assert protected(urls) == p0 + 3
+        sid = f"r{ss.uid}-0"
+        status, out = request(url, f"/v1/sessions/{sid}/end", {}, {"X-Session-Id": sid})
+        assert status == 200 and out["released"] == 3
+        assert protected(urls) == p0
+        ss.turn(url, 1, 2, extra_headers={"X-Session-End": "1"})  # the in-band hint on the last turn
+        assert protected(urls) == p0
 
 
 @needs_router

@@ -310,7 +310,7 @@ class Engine:
     @staticmethod
     def _pages(pool: PagePool) -> dict:
         return {"total": pool.num_pages - 1, "free": pool.num_free(), "referenced": int((pool.ref[1:] > 0).sum()),
-                "cached": len(pool.hash_of)}
+                "cached": len(pool.hash_of), "session_protected": pool.num_protected()}
 
     def stats(self) -> dict:
         """Page pool, queue and metric state (JSON-serialisable); per-rank detail under "parallel"."""
