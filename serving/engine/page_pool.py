@@ -19,6 +19,10 @@ since) by the next allocation.
 `end_session(id)` (the client's end-of-session hint) lifts a session's protection early: its free pages become
 the first cached victims (they stay hits until reused). A page is protected by the session that released it
 last (`session_pages[id]` is exactly the set of pages in `free_session` released by that session).
+
+Host tier (`attach_tier`, serving/engine/host_tier.py): every eviction of a hashed page is reported to the tier
+(global row, hash) before `allocate` returns the page, so its bytes are copied out before anyone rewrites them;
+`restore(hashes)` continues a device hit with pages whose bytes the tier writes back before the next programs.
 """
 
 from __future__ import annotations
