@@ -7,10 +7,11 @@ Each step gives some requests `n` new tokens to compute (no separate prefill/dec
    If pages run out, the most recently admitted running request is preempted (recompute: its pages are
    released, hashed ones stay cached, and it goes back to the head of the waiting queue).
 2. WAITING requests (FCFS, only if nothing was preempted this step): look up the prefix cache (hit H: device
-   pages, continued by pages restored from the host tier with --kv-offloading-size; block-aligned, at most the last full block before the final token); with bounded replay the request
-   starts at s = max(H - W, 0) with its SWA clipped at s and global-KV writes from H; in exact mode it
-   restores the SWA snapshot at the largest retained boundary <= H. Pages for the whole prompt are reserved
-   at admission; head-of-line blocking when they do not fit.
+   pages, continued by pages restored from the host tier with --kv-offloading-size; block-aligned, at most
+   the last full block before the final token); with bounded replay the request starts at s = max(H - W, 0)
+   with its SWA clipped at s and global-KV writes from H; in exact mode it restores the SWA snapshot at the
+   largest retained boundary <= H. Pages for the whole prompt are reserved at admission; head-of-line blocking
+   when they do not fit.
 
 The scheduler owns `req.sched` (serving.engine.request) and emits one `ChunkPlan` per scheduled request:
 the plan says everything the runner and the model need (serving.engine.chunk_plan).
