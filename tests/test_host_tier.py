@@ -139,3 +139,25 @@ def test_host_pages_never_serve_another_salt(tiered):
     assert tiered.metrics.counters["offload_restored_pages"] == r0
     assert generate(tiered, turn2, salt="tenant-a")[1] == 3 * BLOCK - tiered.cfg.window_size
     assert tiered.metrics.counters["offload_restored_pages"] == r0 + 3
+
+
+def test_exact_mode_restored_pages_resume_at_the_device_snapshot(tiny, tiny_params):
+    """Exact mode: the pages come back from the host, the SWA snapshot never left the device."""
+    page_bytes = PageLayout.for_config(tiny).page_bytes
+    args = EngineArgs(**SMALL_ENGINE_ARGS, num_pages=10, compilation_cache_dir=shared_cache_dir(),
+                      kv_offloading_size=16 * page_bytes / 2 ** 30, swa_bounded_replay=False,
+                      enable_prompt_logprobs=False)
+    eng = Engine(tiny, args, params=tiny_params, progress=False)
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(0, 256, 3 * BLOCK + 8).tolist()  # a snapshot at the last full block (192)
+    turn2 = prefix + rng.integers(0, 256, 24).tolist()
+    generate(eng, prefix, n=2)
+    kept, cached = generate(eng, turn2)
+    assert cached == 3 * BLOCK  # exact mode: the whole hit is skipped (resumed at the snapshot)
+    evict_all(eng, rng)
+    assert eng.pool.lookup(block_hashes(turn2)[:3]) == []
+    m = eng.metrics.counters
+    before = (m["offload_restored_pages"], m["snapshot_restores"])
+    restored, cached = generate(eng, turn2)
+    assert cached == 3 * BLOCK and restored == kept
+    assert (m["offload_restored_pages"], m["snapshot_restores"]) == (before[0] + 3, before[1] + 1)

@@ -197,8 +197,10 @@ class Engine:
             return None
         if jax.process_count() > 1:
             raise ValueError("--kv-offloading-size is not supported in a multi-host run")
-        return HostTier(a.kv_offloading_size * 2 ** 30, int(self.runner.pools["pages"].shape[1]),
+        tier = HostTier(a.kv_offloading_size * 2 ** 30, int(self.runner.pools["pages"].shape[1]),
                         self.runner.read_pages, self.runner.write_pages, self.metrics)
+        tier.warm_up(self.max_pages)  # one request's pages per batch compiled before serving
+        return tier
 
     def _new_rank(self, i: int) -> Rank:
         a = self.args

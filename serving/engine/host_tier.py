@@ -55,6 +55,17 @@ class HostTier:
         self.pending: dict[int, np.ndarray] = {}  # row -> the bytes of a restore not yet flushed
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
 
+    def warm_up(self, max_rows: int):
+        """Compile the copy programs for batches of up to `max_rows` pages (powers of two) at start-up, so the
+        first evictions do not compile inside a step: row 0 (the null page) is read and written back."""
+        n = 1
+        while True:
+            rows = np.zeros(n, np.int32)
+            self.write_rows(rows, np.asarray(self.read_rows(rows))[:n])
+            if n >= max_rows:
+                return
+            n *= 2
+
     # ------------------------------------------------------------------ queries
     def num_pages(self) -> int:
         with self.lock:
