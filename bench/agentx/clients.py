@@ -8,7 +8,8 @@
 - `GrpcClient`: `dsv41.v1.Inference/Generate` with `token_ids`, server streaming.
 
 All send `max_tokens = recorded output`, `ignore_eos`, streaming with usage, and the conversation's session
-id (HTTP: the `X-Correlation-ID` header AgentX sends; gRPC: `session_id`). A `Result` carries the client-side
+id (HTTP: the `X-Correlation-ID` header AgentX sends, and `X-Session-Id`, which session-affine routers hash on;
+gRPC: `session_id`). A `Result` carries the client-side
 times (perf_counter seconds: start, first token, end), the tokens counted in the stream, the server's usage
 (prompt, completion and cached tokens) and, on failure, the error text; `overflow` marks a context-length
 rejection (HTTP 400 / INVALID_ARGUMENT naming the maximum context length).
@@ -92,7 +93,9 @@ class _HttpClient(abc.ABC):
                     stream_options={"include_usage": True})
         if self.temperature is not None:
             body["temperature"] = self.temperature
-        headers = {"X-Correlation-ID": req.session_id, "Content-Type": "application/json"}
+        # the session id twice: X-Correlation-ID as AgentX sends it, X-Session-Id for session-affine routers
+        headers = {"X-Correlation-ID": req.session_id, "X-Session-Id": req.session_id,
+                   "Content-Type": "application/json"}
         res = Result(start=time.perf_counter(), end=0.0)
         try:
             async with self.session.post(self.url + self.path, data=json.dumps(body), headers=headers) as r:

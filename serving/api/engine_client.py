@@ -53,6 +53,7 @@ class GenRequest:
     params: SamplingParams
     session_id: str | None = None
     cache_salt: str | None = None
+    end_session: bool = False
 
 
 class _Sink:
@@ -180,7 +181,8 @@ class EngineLoop:
                     raise ValueError(f"request_id {r.request_id!r} is already in use")
                 self._sinks[r.request_id] = sink  # before add_request: max_tokens=0 emits from inside it
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, session_id=r.session_id,
-                                        cache_salt=r.cache_salt, callback=self._deliver)
+                                        cache_salt=r.cache_salt, callback=self._deliver,
+                                        end_session=r.end_session)
             except Exception as e:  # noqa: BLE001
                 if self._sinks.get(r.request_id) is sink:
                     del self._sinks[r.request_id]

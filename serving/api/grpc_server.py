@@ -181,7 +181,8 @@ class GrpcApi:
         if len(ids) + max(sp.max_tokens, 1) > L:
             raise _Invalid(f"this model's maximum context length is {L} tokens; the request has {len(ids)} prompt "
                            f"tokens and max_tokens={sp.max_tokens}")
-        return GenRequest(rid, ids, sp, tenant.scoped(req.session_id or None), tenant.salt(req.cache_salt or None))
+        return GenRequest(rid, ids, sp, tenant.scoped(req.session_id or None), tenant.salt(req.cache_salt or None),
+                          end_session=req.end_session)
 
     async def generate(self, raw: bytes, context: grpc.aio.ServicerContext):
         m = self.ctx.metrics

@@ -7,6 +7,7 @@ Routes:
   POST /v1/chat/completions    chat template -> prompt, SSE with stream_options.include_usage
   GET  /metrics                Prometheus text: the engine's vLLM-compatible metrics + server metrics
   GET  /engine/stats           JSON: page pool, queues, counters (read on the engine thread)
+  POST /v1/sessions/{id}/end   the end-of-session hint: the session's cached prefix is no longer protected
   GET  /version
 
 Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 missing or wrong
@@ -14,7 +15,8 @@ API key (/v1/*, /engine/*, and /metrics with --protect-metrics), 404 unknown mod
 (with `Allow`), 413 body too large, 429 a per-key limit (with `Retry-After`), 503 queue full or shutting down,
 500 engine failure. vLLM extensions accepted in bodies: ignore_eos, top_k, min_p, stop_token_ids,
 include_stop_str_in_output, prompt_logprobs, return_tokens_as_token_ids, return_token_ids, cache_salt,
-session_id (also the X-Session-Id header, or X-Correlation-ID), request_id, structured_outputs (and guided_*).
+session_id (also the X-Session-Id header, or X-Correlation-ID), end_session (also `X-Session-End: 1`: this is the
+session's last turn), request_id, structured_outputs (and guided_*).
 
 Chat tool calls: `tools` go to the chat template; with tool_choice auto (--enable-auto-tool-choice), required or
 a named function the output is parsed for DSML tool calls (serving/api/dsml.py) into `tool_calls`, streamed as
@@ -85,6 +87,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/engine/stats", self.stats)
+        app.router.add_post("/v1/sessions/{session_id}/end", self.end_session)
         return app
 
     @web.middleware
@@ -155,6 +158,12 @@ class HttpApi:
                            "step_failures": self.ctx.client.loop.step_failures}
         return web.json_response(stats)
 
+    async def end_session(self, request):
+        tenant = request.get(TENANT, ANONYMOUS)
+        sid = tenant.scoped(self.ctx.check_id(request.match_info["session_id"], "session_id"))
+        n = await self.ctx.client.call(lambda e: e.end_session(sid))
+        return web.json_response({"session_id": request.match_info["session_id"], "released": n})
+
     # ------------------------------------------------------------------ request plumbing
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -178,6 +187,13 @@ class HttpApi:
     def _session(self, request: web.Request, req) -> str | None:
         s = req.session_id or request.headers.get("X-Session-Id") or request.headers.get("X-Correlation-ID")
         return self.ctx.check_id(s, "session_id")
+
+    @staticmethod
+    def _end_session(request: web.Request, req) -> bool:
+        h = request.headers.get("X-Session-End", "").strip().lower()
+        if h not in ("", "0", "1", "true", "false"):
+            raise bad(f"X-Session-End must be 1 / true or 0 / false, got {h!r}", "X-Session-End")
+        return bool(req.end_session) or h in ("1", "true")
 
     async def _submit(self, subs: list[GenRequest], tenant=ANONYMOUS) -> LimitedStream:
         """Admit against the key's limits (429), then queue in the engine (503 / 500 / 400)."""
@@ -257,6 +273,7 @@ class HttpApi:
         prompts = completion_prompts(req.prompt)
         check_n(req, len(prompts))
         session = tenant.scoped(self._session(request, req))
+        end = self._end_session(request, req)
         constraint = await self._constraint(structured_outputs(req))
         want_plp = req.echo and req.logprobs is not None
         plp = req.logprobs if want_plp else None
@@ -279,7 +296,7 @@ class HttpApi:
             for j in range(req.n):
                 k = i * req.n + j
                 spj = sp if j == 0 or sp.seed is None else _reseed(sp, sp.seed + j)
-                subs.append(GenRequest(ids_all[k], ids, spj, session, tenant.salt(req.cache_salt)))
+                subs.append(GenRequest(ids_all[k], ids, spj, session, tenant.salt(req.cache_salt), end))
                 choices.append(fmt.Choice(k, ids_all[k], ids, text))
         by_id = {c.request_id: c for c in choices}
         spell = fmt.TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
@@ -393,6 +410,7 @@ class HttpApi:
                                                                        req.parallel_tool_calls is not False))
         constraint = await self._constraint(constraint)
         session = tenant.scoped(self._session(request, req))
+        end = self._end_session(request, req)
         try:
             _, ids = ctx.chat.encode(messages, add_generation_prompt=req.add_generation_prompt,
                                      continue_final_message=req.continue_final_message, tools=req.tools,
@@ -417,7 +435,7 @@ class HttpApi:
         base = self._base_id(req, "chatcmpl")
         rids = [tenant.scoped(r) for r in self._sub_ids(base, req.n)]
         subs = [GenRequest(rids[j], ids, sp if j == 0 or sp.seed is None else _reseed(sp, sp.seed + j), session,
-                           tenant.salt(req.cache_salt)) for j in range(req.n)]
+                           tenant.salt(req.cache_salt), end) for j in range(req.n)]
         choices = [fmt.Choice(j, rids[j], ids) for j in range(req.n)]
         by_id = {c.request_id: c for c in choices}
         spell = fmt.TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)

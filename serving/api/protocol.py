@@ -89,6 +89,7 @@ class _Common(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     session_id: str | None = None
+    end_session: bool = False  # the session's last turn: its retention ends with this request
     cache_salt: str | None = None
     request_id: str | None = None
     return_tokens_as_token_ids: bool = False

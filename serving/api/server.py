@@ -4,9 +4,11 @@ over one engine thread.
     engine = Engine(...)
     asyncio.run(serve(engine, ServerConfig(port=8000, grpc_port=50051)))
 
-Shutdown (SIGTERM / SIGINT, or `ApiServer.shutdown()`): new requests get 503 / UNAVAILABLE and health turns
-NOT_SERVING; the listening sockets close; in-flight requests may finish for up to `shutdown_timeout`
-seconds (then they are cancelled, which aborts them in the engine); the engine thread stops.
+Shutdown (SIGTERM / SIGINT, or `ApiServer.shutdown()`), a graceful drain: new requests get 503 / UNAVAILABLE
+and health turns NOT_SERVING (`GET /health` 503) while the listeners stay open, so a router's health probe sees
+the drain and stops routing here; once the engine has no unfinished request (or `shutdown_timeout` seconds
+have passed) the listening sockets close, the responses still being written get the rest of the timeout
+(then they are cancelled, which aborts them in the engine), and the engine thread stops.
 
 Security (serving/api/security.py): API keys for both APIs, TLS (optionally mutual) for both listeners, per-key
 limits; `start()` logs a warning when it listens on a non-loopback address without an API key.
@@ -155,7 +157,25 @@ class ApiServer:
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         log.info("shutting down: draining in-flight requests (up to %.0f s)", timeout)
         self.client.draining = True
-        await self._close(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._grpc_server is not None:
+            try:
+                await self.grpc.set_serving(False)
+            except Exception:  # noqa: BLE001
+                log.exception("setting gRPC health to NOT_SERVING failed")
+        while loop.time() < deadline and await self._engine_busy():
+            await asyncio.sleep(0.05)
+        await self._close(max(deadline - loop.time(), 0.0))
+
+    async def _engine_busy(self) -> bool:
+        """The engine still has unfinished requests (False when its loop is gone or does not answer)."""
+        if not self.engine_loop.alive:
+            return False
+        try:
+            return await asyncio.wait_for(self.client.call(lambda e: e.has_unfinished()), 5.0)
+        except Exception:  # noqa: BLE001 - a dead or stuck loop: stop waiting for it
+            return False
 
     async def _close(self, timeout: float):
         self.client.draining = True

@@ -114,7 +114,12 @@ class EngineArgs:
         "whose snapshot was evicted recomputes its whole cached prefix (dsv41:swa_snapshot_misses_total)",
         names=("--swa-snapshot-slots",)))
     session_ttl_s: float = field(default=600.0, metadata=cli(
-        "seconds a session's cached prefix is protected from eviction after its request", names=("--session-ttl",)))
+        "seconds a session's cached prefix pages (and exact-mode snapshots) stay protected from eviction after its "
+        "last request (session id: the x-session-id header or session_id field; 0: no protection)",
+        names=("--session-ttl-s", "--session-ttl")))
+    kv_offloading_size: float = field(default=0.0, metadata=cli(
+        "GiB of host memory for prefix-cache pages evicted from the device pool: copied out asynchronously, "
+        "copied back on a later hit (serving/engine/host_tier.py; 0: off)"))
     max_queued_requests: int = field(default=1024, metadata=cli(
         "waiting requests beyond which new ones get 503 / RESOURCE_EXHAUSTED"))
     enable_prompt_logprobs: bool = field(default=True, metadata=cli(

@@ -49,6 +49,7 @@ from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
+from serving.engine.host_tier import HostTier
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
 from serving.engine.request import FINISHED, Request
@@ -178,6 +179,7 @@ class Engine:
         self.metrics.set("compiled_programs", self.runner.compile_count)
         self.metrics.set("snapshot_bytes", sum(v for k, v in self.runner.pool_bytes().items() if k.startswith("snap")))
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
         self.pool, self.scheduler, self.snapshots = self.ranks[0].pool, self.ranks[0].scheduler, self.ranks[0].snapshots
         self.placement = Placement(self.args.dp_load_cap, self.args.enable_prefix_caching)
@@ -189,10 +191,23 @@ class Engine:
         self._grammars = None  # structured outputs: a GrammarCompiler, made on first use
         self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
 
+    def _host_tier(self) -> HostTier | None:
+        a = self.args
+        if a.kv_offloading_size <= 0 or not a.enable_prefix_caching:
+            return None
+        if jax.process_count() > 1:
+            raise ValueError("--kv-offloading-size is not supported in a multi-host run")
+        tier = HostTier(a.kv_offloading_size * 2 ** 30, int(self.runner.pools["pages"].shape[1]),
+                        self.runner.read_pages, self.runner.write_pages, self.metrics)
+        tier.warm_up(self.max_pages)  # one request's pages per batch compiled before serving
+        return tier
+
     def _new_rank(self, i: int) -> Rank:
         a = self.args
         pool = PagePool(a.num_pages, a.enable_prefix_caching, a.session_ttl_s)
-        snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots)
+        if self.host_tier is not None:
+            pool.attach_tier(self.host_tier, i * a.num_pages)
+        snaps = None if a.swa_bounded_replay else SnapshotIndex(a.snapshot_slots, a.session_ttl_s)
         return Rank(i, pool, Scheduler(a, pool, self.cfg.window_size, snaps, self.metrics), snaps)
 
     def _rank_of(self, req: Request) -> Rank:
@@ -206,7 +221,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
-                    session_id: str | None = None, cache_salt: str | None = None, callback=None):
+                    session_id: str | None = None, cache_salt: str | None = None, callback=None,
+                    end_session: bool = False):
+        """Queue a request. `end_session`: the session's last turn (its retention ends when this request does)."""
         sp = sampling_params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -233,7 +250,7 @@ class Engine:
         drawn = int(self._seeds.integers(0, 2 ** 32))
         seed = (sp.seed if sp.seed is not None else drawn) & 0xFFFFFFFF
         req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback,
-                      seed=seed)
+                      seed=seed, end_session=end_session and session_id is not None)
         req.out.grammar = grammar  # structured outputs: advanced in _append, masks the sampler in _fill_row
         special = set(sp.stop_token_ids) | (self.eos_ids if not sp.ignore_eos else set())
         req.out.detok = IncrementalDetokenizer(self.tokenizer, skip_ids=special, stop=sp.stop,
@@ -267,6 +284,18 @@ class Engine:
         self.metrics.inc("requests_aborted")
         return True
 
+    def end_session(self, session_id: str) -> int:
+        """The end-of-session hint: lift the retention of the session's cached pages and snapshots (they stay
+        cached as ordinary LRU entries, first in line for eviction) and forget its data-parallel rank. Returns
+        the number of pages and snapshots unprotected."""
+        n = 0
+        for rank in self.ranks:
+            n += rank.pool.end_session(session_id)
+            if rank.snapshots is not None:
+                n += rank.snapshots.end_session(session_id)
+        self.placement.sessions.pop(session_id, None)
+        return n
+
     def has_unfinished(self) -> bool:
         return self._inflight is not None or any(r.scheduler.running or r.scheduler.waiting for r in self.ranks)
 
@@ -283,7 +312,7 @@ class Engine:
     @staticmethod
     def _pages(pool: PagePool) -> dict:
         return {"total": pool.num_pages - 1, "free": pool.num_free(), "referenced": int((pool.ref[1:] > 0).sum()),
-                "cached": len(pool.hash_of)}
+                "cached": len(pool.hash_of), "session_protected": pool.num_protected()}
 
     def stats(self) -> dict:
         """Page pool, queue and metric state (JSON-serialisable); per-rank detail under "parallel"."""
@@ -336,9 +365,13 @@ class Engine:
         self.metrics.set("running", sum(len(r.scheduler.running) for r in self.ranks))
         self.metrics.set("waiting", self._n_waiting())
         self.metrics.set("kv_usage", sum(r.pool.usage() for r in self.ranks) / len(self.ranks))
+        if self.host_tier is not None:
+            self.metrics.set("offload_pages", self.host_tier.num_pages())
 
     def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
         inflight = _InFlight()
+        if self.host_tier is not None:  # pages restored from host memory, before any program reads them
+            self._guarded(inflight, [], self.host_tier.flush)  # a failure: the pools are checked (rebuilt)
         for p in plans:
             snap = self._rank_of(p.req).scheduler.take_restore_snapshot(p.req)
             if snap is not None:
@@ -499,7 +532,7 @@ class Engine:
         rank.scheduler.publish(req)
         if rank.snapshots is not None and s.num_computed in s.boundaries:
             k = s.num_computed // BLOCK
-            slot = rank.snapshots.claim(s.hashes[k - 1])
+            slot = rank.snapshots.claim(s.hashes[k - 1], req.session_id, time.perf_counter())
             if slot is not None:
                 self.runner.snapshot(True, s.slot, slot, rank.index)
 
@@ -544,6 +577,8 @@ class Engine:
         """Release the request's pages and slot now; its final output is emitted by the step (or here)."""
         if req.status != FINISHED:
             self._rank_of(req).scheduler.finish(req, reason)
+            if req.end_session:
+                self.end_session(req.session_id)
         req.out.finish_reason = reason
         self.metrics.finished(reason)
         if reason != "abort":

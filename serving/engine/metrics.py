@@ -41,6 +41,11 @@ class Metrics:
         "snapshot_recomputed_tokens": ("dsv41:swa_snapshot_recomputed_tokens",
                                        "Exact mode: hit tokens recomputed because no snapshot was at the hit's end"),
         "preemptions": ("vllm:num_preemptions", "Requests preempted (recompute)"),
+        "offload_saved_pages": ("dsv41:kv_offload_saved_pages", "Evicted prefix-cache pages copied to host memory"),
+        "offload_restored_pages": ("dsv41:kv_offload_restored_pages",
+                                   "Prefix-cache pages copied back from host memory on a hit"),
+        "offload_dropped_pages": ("dsv41:kv_offload_dropped_pages",
+                                  "Host-memory pages dropped by the --kv-offloading-size LRU bound"),
         "requests_aborted": ("dsv41:request_aborted", "Requests aborted"),
     }
     HISTOGRAMS = {
@@ -51,7 +56,9 @@ class Metrics:
     GAUGES = {
         "running": ("vllm:num_requests_running", "Requests running"),
         "waiting": ("vllm:num_requests_waiting", "Requests waiting"),
-        "kv_usage": ("vllm:kv_cache_usage_perc", "Fraction of global-KV pages in use or cached"),
+        "kv_usage": ("vllm:kv_cache_usage_perc",
+                     "Fraction of global-KV pages held by requests (free cached pages count as free, as in vLLM)"),
+        "offload_pages": ("dsv41:kv_offload_pages", "Prefix-cache pages held in host memory"),
         "compiled_programs": ("dsv41:compiled_programs", "Compiled step programs"),
         "snapshot_bytes": ("dsv41:swa_snapshot_bytes", "Device bytes held for exact-mode SWA snapshots"),
     }

@@ -14,6 +14,15 @@ Invariants (checked by `check()` and by the property tests):
 Eviction order: uncached free pages first (most recently freed first), then cached pages LRU by release
 time (a request releases tail-first, so a shared prefix outlives the unique suffix), and last the pages of a
 session whose next turn is still expected (released with a session id, protected for `session_ttl` s).
+A page whose protection has expired is moved to the front of the cached LRU (older than anything released
+since) by the next allocation.
+`end_session(id)` (the client's end-of-session hint) lifts a session's protection early: its free pages become
+the first cached victims (they stay hits until reused). A page is protected by the session that released it
+last (`session_pages[id]` is exactly the set of pages in `free_session` released by that session).
+
+Host tier (`attach_tier`, serving/engine/host_tier.py): every eviction of a hashed page is reported to the tier
+(global row, hash) before `allocate` returns the page, so its bytes are copied out before anyone rewrites them;
+`restore(hashes)` continues a device hit with pages whose bytes the tier writes back before the next programs.
 """
 
 from __future__ import annotations
@@ -36,6 +45,11 @@ class PagePool:
         self.free_uncached: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.free_session: OrderedDict[int, float] = OrderedDict()  # page -> protected until
+        self.session_of: dict[int, str] = {}  # page in free_session -> the session protecting it
+        self.session_pages: dict[str, set[int]] = {}  # session -> its pages in free_session
+        self._next_expiry = float("inf")  # min of free_session's deadlines (or earlier)
+        self.tier = None  # a serving.engine.host_tier.HostTier (--kv-offloading-size), see attach_tier
+        self.rows_base = 0  # this pool's first row in the device pages pool (data-parallel rank * num_pages)
         self.evictions = 0
 
     # ------------------------------------------------------------------ queries
@@ -58,8 +72,24 @@ class PagePool:
         return out
 
     # ------------------------------------------------------------------ ownership
+    def num_protected(self) -> int:
+        """Free cached pages protected by a session."""
+        return len(self.free_session)
+
+    def _unprotect(self, p: int):
+        """Take page p out of free_session (it must be there) and its session's index."""
+        del self.free_session[p]
+        sid = self.session_of.pop(p)
+        pages = self.session_pages[sid]
+        pages.discard(p)
+        if not pages:
+            del self.session_pages[sid]
+
     def _unqueue(self, p: int):
-        for q in (self.free_uncached, self.free_cached, self.free_session):
+        if p in self.free_session:
+            self._unprotect(p)
+            return
+        for q in (self.free_uncached, self.free_cached):
             if p in q:
                 del q[p]
                 return
@@ -71,32 +101,72 @@ class PagePool:
                 self._unqueue(p)
             self.ref[p] += 1
 
-    def _pop_victim(self, now: float) -> int | None:
-        if self.free_uncached:
-            return self.free_uncached.popitem(last=False)[0]
-        if self.free_session:
-            p, until = next(iter(self.free_session.items()))
-            if until <= now or not self.free_cached:
-                del self.free_session[p]
+    def _to_cached_front(self, pages: list[int]):
+        """Unprotect free session pages (oldest first in `pages`); they become the first cached victims."""
+        for p in reversed(pages):
+            self._unprotect(p)
+            self.free_cached[p] = None
+            self.free_cached.move_to_end(p, last=False)
+
+    def _expire(self, now: float):
+        if now < self._next_expiry:
+            return
+        self._to_cached_front([p for p, until in self.free_session.items() if until <= now])
+        self._next_expiry = min(self.free_session.values(), default=float("inf"))
+
+    def _pop_victim(self) -> int | None:
+        for q in (self.free_uncached, self.free_cached, self.free_session):
+            if q:
+                p = next(iter(q))
+                if q is self.free_session:
+                    self._unprotect(p)
+                else:
+                    del q[p]
                 return p
-        if self.free_cached:
-            return self.free_cached.popitem(last=False)[0]
         return None
 
     def allocate(self, n: int, now: float = 0.0) -> list[int] | None:
         """n fresh pages (ref = 1), or None if fewer than n can be freed. Evicted pages lose their hash."""
         if n > self.num_free():
             return None
-        out = []
+        self._expire(now)
+        out, evicted = [], []
         for _ in range(n):
-            p = self._pop_victim(now)
+            p = self._pop_victim()
             h = self.hash_of.pop(p, None)
             if h is not None:
                 if self.by_hash.get(h) == p:
                     del self.by_hash[h]
                 self.evictions += 1
+                evicted.append((self.rows_base + p, h))
             self.ref[p] = 1
             out.append(p)
+        if evicted and self.tier is not None:  # before anyone writes these pages: their bytes go to the host
+            self.tier.evicted(evicted)
+        return out
+
+    def attach_tier(self, tier, rows_base: int = 0):
+        """Offload evicted cached pages to a host tier and restore from it (`restore`)."""
+        self.tier, self.rows_base = tier, rows_base
+
+    def restore(self, hashes: list[bytes], now: float = 0.0) -> list[int]:
+        """Pages for the longest prefix of `hashes` (the blocks right after the device hits) that the host tier
+        holds: freshly allocated (ref = 1), registered under their hashes, their bytes queued for the copy
+        back (HostTier.flush, before the next programs run)."""
+        out = []
+        if self.tier is None or not self.caching:
+            return out
+        for h in hashes:
+            if h in self.by_hash or not self.tier.has(h):
+                break
+            got = self.allocate(1, now)
+            if got is None:
+                break
+            if not self.tier.queue_restore(self.rows_base + got[0], h):
+                self.release(got)
+                break
+            self.register(got[0], h)
+            out.append(got[0])
         return out
 
     def release(self, pages: list[int], session: str | None = None, now: float = 0.0):
@@ -112,11 +182,24 @@ class PagePool:
             if p in self.hash_of:
                 if session is not None and self.session_ttl > 0:
                     self.free_session[p] = now + self.session_ttl
+                    self._next_expiry = min(self._next_expiry, now + self.session_ttl)
+                    self.session_of[p] = session
+                    self.session_pages.setdefault(session, set()).add(p)
                 else:
                     self.free_cached[p] = None
             else:
                 self.free_uncached[p] = None
                 self.free_uncached.move_to_end(p, last=False)  # reused first
+
+    def end_session(self, session: str) -> int:
+        """The end-of-session hint: the session's protected free pages become the first cached victims (in their
+        release order). Pages the session's running requests hold are not touched (they are released without
+        protection when those requests end, if the engine is told). Returns the number of pages unprotected."""
+        if session not in self.session_pages:
+            return 0
+        pages = [p for p in self.free_session if self.session_of[p] == session]
+        self._to_cached_front(pages)
+        return len(pages)
 
     def register(self, page: int, h: bytes) -> bool:
         """Mark a filled page as the cached copy of prefix hash h. False if another page already is."""
@@ -135,6 +218,10 @@ class PagePool:
             self.free_uncached[p] = None
         self.free_cached.clear()
         self.free_session.clear()
+        self.session_of.clear()
+        self.session_pages.clear()
+        if self.tier is not None:
+            self.tier.drop_device()
         self.hash_of.clear()
         self.by_hash.clear()
 
@@ -158,3 +245,6 @@ class PagePool:
             need(p in self.hash_of, f"cached free page {p} has no hash")
         for p in self.free_uncached:
             need(p not in self.hash_of, f"uncached free page {p} has a hash")
+        need(set(self.session_of) == set(self.free_session), "session owners out of sync with free_session")
+        need({(s, p) for s, ps in self.session_pages.items() for p in ps} ==
+             {(s, p) for p, s in self.session_of.items()}, "session page index out of sync")

@@ -73,6 +73,7 @@ class Request:
     callback: object = None
     seed: int = 0  # the sampling seed (the request's, or one drawn from the engine's --seed stream)
     counter: int = 0  # sampling step counter (per-request RNG stream)
+    end_session: bool = False  # the client's end-of-session hint: the session's retention ends with this request
     sched: SchedState = field(default_factory=SchedState)
     out: OutputState = field(default_factory=OutputState)
 

@@ -415,6 +415,30 @@ class Runner:
         else:
             self.pools = fn(self.pools, src, dst)
 
+    # ------------------------------------------------------------------ host tier (serving.engine.host_tier)
+    @staticmethod
+    def _pad_rows(rows: np.ndarray, *data):
+        """Pad to a power of two by repeating the last row (a few compiled shapes; a repeated row is harmless)."""
+        n = len(rows)
+        b = 1 << max(n - 1, 0).bit_length()
+        idx = np.concatenate([np.arange(n), np.full(b - n, n - 1)])
+        return (rows[idx], *[d[idx] for d in data])
+
+    def read_pages(self, rows: np.ndarray):
+        """A new device array holding rows `rows` of the pages pool (padded; dispatched, not waited for). Taken
+        before the next program donates the pool, it keeps those bytes whatever that program writes."""
+        if not hasattr(self, "_page_read"):
+            self._page_read = jax.jit(lambda pages, r: pages[r])
+        (rows,) = self._pad_rows(np.asarray(rows, np.int32))
+        return self._page_read(self.pools["pages"], rows)
+
+    def write_pages(self, rows: np.ndarray, data: np.ndarray):
+        """Write host bytes `data[i]` into row `rows[i]` of the pages pool (one donated scatter)."""
+        if not hasattr(self, "_page_write"):
+            self._page_write = jax.jit(lambda pages, r, d: pages.at[r].set(d), donate_argnums=(0,))
+        rows, data = self._pad_rows(np.asarray(rows, np.int32), np.asarray(data, np.uint8))
+        self.pools = dict(self.pools, pages=self._page_write(self.pools["pages"], rows, data))
+
     def bucket(self, kind: str, n: int) -> int:
         bs = self.args.prefill_buckets if kind == PREFILL else self.args.decode_buckets
         for b in bs:

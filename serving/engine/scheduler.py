@@ -6,11 +6,12 @@ Each step gives some requests `n` new tokens to compute (no separate prefill/dec
    With `prefill_schedule_interval` N > 1, prefill chunks run only every N-th step while decodes are running.
    If pages run out, the most recently admitted running request is preempted (recompute: its pages are
    released, hashed ones stay cached, and it goes back to the head of the waiting queue).
-2. WAITING requests (FCFS, only if nothing was preempted this step): look up the prefix cache (hit H,
-   block-aligned, at most the last full block before the final token); with bounded replay the request
-   starts at s = max(H - W, 0) with its SWA clipped at s and global-KV writes from H; in exact mode it
-   restores the SWA snapshot at the largest retained boundary <= H. Pages for the whole prompt are reserved
-   at admission; head-of-line blocking when they do not fit.
+2. WAITING requests (FCFS, only if nothing was preempted this step): look up the prefix cache (hit H: device
+   pages, continued by pages restored from the host tier with --kv-offloading-size; block-aligned, at most
+   the last full block before the final token); with bounded replay the request starts at s = max(H - W, 0)
+   with its SWA clipped at s and global-KV writes from H; in exact mode it restores the SWA snapshot at the
+   largest retained boundary <= H. Pages for the whole prompt are reserved at admission; head-of-line blocking
+   when they do not fit.
 
 The scheduler owns `req.sched` (serving.engine.request) and emits one `ChunkPlan` per scheduled request:
 the plan says everything the runner and the model need (serving.engine.chunk_plan).
@@ -112,18 +113,20 @@ class Scheduler:
         use_cache = self.args.enable_prefix_caching and req.sampling.prompt_logprobs is None
         max_hit_pages = (N - 1) // BLOCK
         hits = self.pool.lookup(s.hashes[:max_hit_pages]) if use_cache else []
+        self.pool.acquire(hits)
+        if use_cache:  # the host tier (--kv-offloading-size) continues the device hits
+            hits += self.pool.restore(s.hashes[len(hits):max_hit_pages], now)
         H = len(hits) * BLOCK
         start, restore = 0, None
         if self.args.swa_bounded_replay:
             start = max(H - self.W, 0)
         elif hits and self.snapshots is not None:
-            k, restore = self.snapshots.best(s.hashes[:len(hits)])
+            k, restore = self.snapshots.best(s.hashes[:len(hits)], req.session_id, now)
             start = k * BLOCK
             if self.metrics:  # where exact mode's time goes: a hit without a snapshot at its end recomputes
                 self.metrics.inc("snapshot_restores" if restore is not None else "snapshot_misses")
                 self.metrics.inc("snapshot_recomputed_tokens", H - start)
         need = pages_for(N) - len(hits)
-        self.pool.acquire(hits)
         got = self.pool.allocate(need, now)
         if got is None:
             self.pool.release(hits, None, now)

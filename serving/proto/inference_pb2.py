@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dserving/proto/inference.proto\x12\x08\x64sv41.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc5\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x37\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1b.dsv41.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.dsv41.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.dsv41.v1.TokenIdsH\x00\x12\x31\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x18.dsv41.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x10PositionLogprobs\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x16.dsv41.v1.TokenLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.dsv41.v1.TokenLogprob\"V\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.dsv41.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xca\x01\n\x08\x43omplete\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.dsv41.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.dsv41.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.dsv41.v1.PositionLogprobs\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"|\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.dsv41.v1.ChunkH\x00\x12&\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x12.dsv41.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x9e\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bwindow_size\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x1a\n\x12swa_bounded_replay\x18\x07 \x01(\x08\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\x12\x11\n\ttokenizer\x18\x0b \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x0c \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xce\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.dsv41.v1.GenerateRequest\x1a\x1a.dsv41.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.dsv41.v1.AbortRequest\x1a\x17.dsv41.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.dsv41.v1.GetModelInfoRequest\x1a\x13.dsv41.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dserving/proto/inference.proto\x12\x08\x64sv41.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc5\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x37\n\x12structured_outputs\x18\r \x01(\x0b\x32\x1b.dsv41.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x98\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.dsv41.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.dsv41.v1.TokenIdsH\x00\x12\x31\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x18.dsv41.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x07 \x01(\x08\x12\x13\n\x0b\x65nd_session\x18\x08 \x01(\x08\x42\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x10PositionLogprobs\x12%\n\x05token\x18\x01 \x01(\x0b\x32\x16.dsv41.v1.TokenLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.dsv41.v1.TokenLogprob\"V\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.dsv41.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xca\x01\n\x08\x43omplete\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.dsv41.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.dsv41.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.dsv41.v1.PositionLogprobs\x12\x12\n\x08stop_str\x18\x04 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x42\r\n\x0bstop_reason\"|\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0f.dsv41.v1.ChunkH\x00\x12&\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x12.dsv41.v1.CompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x9e\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bwindow_size\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x1a\n\x12swa_bounded_replay\x18\x07 \x01(\x08\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\x05\x12\x11\n\ttokenizer\x18\x0b \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x0c \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xce\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.dsv41.v1.GenerateRequest\x1a\x1a.dsv41.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.dsv41.v1.AbortRequest\x1a\x17.dsv41.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.dsv41.v1.GetModelInfoRequest\x1a\x13.dsv41.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1951
-  _globals['_FINISHREASON']._serialized_end=2071
+  _globals['_FINISHREASON']._serialized_start=1972
+  _globals['_FINISHREASON']._serialized_end=2092
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_SAMPLINGPARAMS']._serialized_start=69
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=679
   _globals['_CHOICES']._serialized_end=704
   _globals['_GENERATEREQUEST']._serialized_start=707
-  _globals['_GENERATEREQUEST']._serialized_end=919
-  _globals['_TOKENLOGPROB']._serialized_start=921
-  _globals['_TOKENLOGPROB']._serialized_end=970
-  _globals['_POSITIONLOGPROBS']._serialized_start=972
-  _globals['_POSITIONLOGPROBS']._serialized_end=1066
-  _globals['_CHUNK']._serialized_start=1068
-  _globals['_CHUNK']._serialized_end=1154
-  _globals['_USAGE']._serialized_start=1156
-  _globals['_USAGE']._serialized_end=1236
-  _globals['_COMPLETE']._serialized_start=1239
-  _globals['_COMPLETE']._serialized_end=1441
-  _globals['_GENERATERESPONSE']._serialized_start=1443
-  _globals['_GENERATERESPONSE']._serialized_end=1567
-  _globals['_ABORTREQUEST']._serialized_start=1569
-  _globals['_ABORTREQUEST']._serialized_end=1603
-  _globals['_ABORTRESPONSE']._serialized_start=1605
-  _globals['_ABORTRESPONSE']._serialized_end=1637
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1639
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1660
-  _globals['_MODELINFO']._serialized_start=1663
-  _globals['_MODELINFO']._serialized_end=1949
-  _globals['_INFERENCE']._serialized_start=2074
-  _globals['_INFERENCE']._serialized_end=2280
+  _globals['_GENERATEREQUEST']._serialized_end=940
+  _globals['_TOKENLOGPROB']._serialized_start=942
+  _globals['_TOKENLOGPROB']._serialized_end=991
+  _globals['_POSITIONLOGPROBS']._serialized_start=993
+  _globals['_POSITIONLOGPROBS']._serialized_end=1087
+  _globals['_CHUNK']._serialized_start=1089
+  _globals['_CHUNK']._serialized_end=1175
+  _globals['_USAGE']._serialized_start=1177
+  _globals['_USAGE']._serialized_end=1257
+  _globals['_COMPLETE']._serialized_start=1260
+  _globals['_COMPLETE']._serialized_end=1462
+  _globals['_GENERATERESPONSE']._serialized_start=1464
+  _globals['_GENERATERESPONSE']._serialized_end=1588
+  _globals['_ABORTREQUEST']._serialized_start=1590
+  _globals['_ABORTREQUEST']._serialized_end=1624
+  _globals['_ABORTRESPONSE']._serialized_start=1626
+  _globals['_ABORTRESPONSE']._serialized_end=1658
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1660
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1681
+  _globals['_MODELINFO']._serialized_start=1684
+  _globals['_MODELINFO']._serialized_end=1970
+  _globals['_INFERENCE']._serialized_start=2095
+  _globals['_INFERENCE']._serialized_end=2301
 # @@protoc_insertion_point(module_scope)

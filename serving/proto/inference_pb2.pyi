@@ -75,7 +75,7 @@ class Choices(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "session_id", "cache_salt", "add_bos")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "session_id", "cache_salt", "add_bos", "end_session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -90,7 +91,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     cache_salt: str
     add_bos: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
+    end_session: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., add_bos: _Optional[bool] = ..., end_session: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
