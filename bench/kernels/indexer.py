@@ -1,7 +1,8 @@
 """Microbenchmark cases of the paged indexer kernel at full V4.1 shapes (Hi = 32, di = 128, ratio 1, decode T = 1).
 
 `cases(smoke=False)` -> list of dicts: name, fn_pallas, fn_xla (callables on the args), make_args (zero-arg:
-(IndexerOperands, PagedIndexKV) of random full-shape device arrays, fixed seed), bytes (minimum bytes the op must move). Cases, for B in {1, 8, 32}:
+(IndexerOperands, PagedIndexKV) of random full-shape device arrays, fixed seed), bytes (minimum bytes the op
+must move). Cases, for B in {1, 8, 32}:
 - cand32k: the Reindex use: 2048 candidate blocks of 8 entries out of a 32K context;
 - full8k / full32k: the candidate-source full scan of every block of an 8K / 32K context.
 fn_xla is the model's current approach: gather and decode every index key of the sequence's capacity from the
