@@ -8,7 +8,7 @@ all 384 experts, then `lax.ragged_dot_general` (which reads every expert).
 
 `python -m bench.kernels.moe [--iters N] [--only SUBSTR] [--sweep] [--out results.json] [--smoke]`: as
 bench/kernels/gemm.py (same runner and table, bench/kernels/timing.py). --smoke: 8 experts of 256x512 at
-B = 1, 2 (CPU check).
+B = 2 (CPU check).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pallas_kernels.moe.kernel import grouped_matmul
 E, TOPK = 384, 6
 SHAPES = {"w13": (2304, 5120), "w2": (5120, 2304)}
 BS = (1, 8, 32)
-SMOKE_E, SMOKE_SHAPES, SMOKE_BS = 8, {"w_small": (256, 512)}, (1, 2)  # --smoke: interpret mode on the CPU
+SMOKE_E, SMOKE_SHAPES, SMOKE_BS = 8, {"w_small": (256, 512)}, (2,)  # --smoke: interpret mode on the CPU
 SWEEP = [(32, 256, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3), (32, 512, 4, 4), (64, 128, 4, 4),
          (128, 512, 8, 3), (64, 512, 8, 4)]  # (bn, bk, num_warps, num_stages)
 
