@@ -1,6 +1,6 @@
 """The kernel benchmarks still build and run: every bench/kernels module's --smoke cases (tiny shapes, the Pallas
 kernels in interpret mode on the CPU) give the same result as their XLA side, so a change of a kernel's or the
-model's API cannot silently break the GPU benchmarks. The bench/weight_gemms smoke (its new kernels against
+model's API cannot silently break the GPU benchmarks. The bench/weight_gemms.py smoke (its new kernels against
 their references at small shapes) runs too, marked slow."""
 
 import importlib
