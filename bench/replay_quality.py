@@ -2,7 +2,7 @@
 
     python -m bench.replay_quality                        # GPU: 128 documents of 6400 tokens, H = 1K, 2K, 4K, 6K
     python -m bench.replay_quality --smoke --out X.json   # CPU: the 2 check documents of 577 tokens, H = 448
-    python -m bench.replay_quality --render bench/results/replay_quality_h200.json   # plot + docs/QUALITY.md only
+    python -m bench.replay_quality --render bench/results/replay_quality_<device>.json   # plot + docs/QUALITY.md only
 
 Documents: consecutive `--doc-len`-token windows of the held-out split (bench.stdlib_corpus), scored with the
 shipped default model (or --checkpoint). For each turn boundary H, the next `--next` tokens [H, H+next) are

@@ -1,10 +1,10 @@
 """Model configuration: the hyperparameters of DeepSeek-V4.1-Flash and its scaled-down presets.
 
 `ModelConfig` is a frozen dataclass whose field names follow the official reference `ModelArgs`
-(see ../shared/spec/MODEL.md §2.0 for the mapping from config.json names). Presets:
+(`from_hf_config` below maps the official config.json names onto them). Presets:
 
-- ``tiny``   CPU unit tests (seconds); MODEL.md §7.1.
-- ``small``  ~240M parameters, GPU smoke runs; MODEL.md §7.2.
+- ``tiny``   CPU unit tests (seconds).
+- ``small``  ~240M parameters, GPU smoke runs.
 - ``medium`` the real V4.1-Flash per-layer shapes and all 40 layers, 16 routed experts, small Engram
              tables, bf16 weights (fits one H200).
 - ``full``   exact V4.1-Flash; for shapes, parameter and KV accounting.

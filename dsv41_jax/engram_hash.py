@@ -1,4 +1,4 @@
-"""Engram n-gram hashing (MODEL.md §2.7): integer-only, from token ids alone, so it runs on the host.
+"""Engram n-gram hashing (docs/ARCHITECTURE.md): integer-only, from token ids alone, so it runs on the host.
 
 For position t, the compressed ids of tokens t, t-1, ..., t-(n-1) are multiplied by per-(layer, lookback)
 odd multipliers and XOR-folded; the running value after k lookbacks is the (k+1)-gram hash, reduced modulo a

@@ -261,7 +261,7 @@ def lin_weight(p: dict, dtype=BF16):
 
 def expert_weight(p: dict, dtype=BF16):
     """A routed expert's weight in `dtype`: packed MXFP4 bytes dequantized, or a float weight as is (a float
-    weight next to a scale is a training view's already fake-quantized value, training/objective.qat_params)."""
+    weight next to a scale is a training view's already fake-quantized value, training.objective.qat_params)."""
     if "scale" in p and not jnp.issubdtype(p["weight"].dtype, jnp.floating):
         return quant.dequantize_weight_fp4(p["weight"], p["scale"], dtype)
     return p["weight"].astype(dtype)

@@ -1,4 +1,4 @@
-"""FP8 / FP4 formats of V4.1, bit-exact with the official kernels (MODEL.md §4, kernel.py).
+"""FP8 / FP4 formats of V4.1, bit-exact with the official kernels (docs/ARCHITECTURE.md, "Numerics").
 
 Quantize-dequantize ("qdq", the reference's QAT semantics) along the last axis in blocks:
 - ``fp8_qdq(x, 32)``: E4M3 values, UE8M0 (power-of-two) scale per 32; SWA KV and activations.

@@ -26,11 +26,6 @@ MAY_IMPORT = {pkg: set(LIBRARY[:i + 1]) for i, pkg in enumerate(LIBRARY)} | {
     "bench": {*LIBRARY, "training", "bench"},
     "tools": {*LIBRARY, "bench", "tools"},
 }
-# Modules that another change of issue 21 moves; the lead removes an entry once that change is merged (a stale
-# entry fails test_pending_moves_are_still_pending).
-PENDING_MOVES = {
-    "dsv41_jax.train": "moves to training/objective.py (it imports checkpoints)",
-}
 
 
 def module_files() -> dict[str, Path]:
@@ -85,13 +80,9 @@ def test_the_graph_is_the_whole_repo(graph):
         == [("serving.engine.config", 1)]
 
 
-def test_pending_moves_are_still_pending(graph):
-    assert not [m for m in PENDING_MOVES if m not in graph], "moved: remove it from PENDING_MOVES"
-
-
 def test_imports_run_downward(graph):
     bad = [f"{src} (line {line}) imports {dst}" for src, edges in graph.items() for dst, line in edges
-           if dst.split(".")[0] not in MAY_IMPORT[src.split(".")[0]] and src not in PENDING_MOVES]
+           if dst.split(".")[0] not in MAY_IMPORT[src.split(".")[0]]]
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 

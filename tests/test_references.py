@@ -20,24 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENDORED = ("tools/official_parity/official/",)  # the official reference code, as published
 SELF = "tests/test_references.py"  # its examples are broken on purpose
-# Citations in files that another change of issue 21 rewrites (the model, kernel and engine docstrings; the
-# training/corpus benchmarks it moves). The lead empties this once those changes are merged; an entry that no
-# longer matches anything fails test_known_broken_references_still_exist.
-KNOWN_BROKEN = {
-    ("bench/replay_quality.py", "bench/results/replay_quality_h200.json"),
-    ("dsv41_jax/attention.py", "MODEL.md"),
-    ("dsv41_jax/config.py", "MODEL.md"),
-    ("dsv41_jax/config.py", "../shared/spec/"),
-    ("dsv41_jax/engram_hash.py", "MODEL.md"),
-    ("dsv41_jax/kv_format.py", "MODEL.md"),
-    ("dsv41_jax/model.py", "MODEL.md"),
-    ("dsv41_jax/quant.py", "MODEL.md"),
-    ("pallas_kernels/common.py", "../shared/spec/"),
-    ("pallas_kernels/indexer/kernel.py", "MODEL.md"),
-    ("pallas_kernels/mhc/kernel.py", "MODEL.md"),
-    ("pallas_kernels/sparse_attention/kernel.py", "MODEL.md"),
-    ("serving/engine/chunk_plan.py", "MODEL.md"),
-}
 
 PATH = re.compile(r"(?<![\w/~$.:@-])([A-Za-z_.][\w.-]*(?:/[\w.*{},<>-]+)+/?)")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
@@ -97,13 +79,8 @@ def found() -> list[tuple[str, int, str, str]]:
 
 
 def test_every_reference_resolves(found):
-    bad = [f"{rel}:{line}: {ref} ({why})" for rel, line, ref, why in found if (rel, ref) not in KNOWN_BROKEN]
+    bad = [f"{rel}:{line}: {ref} ({why})" for rel, line, ref, why in found]
     assert not bad, "references that do not resolve inside the repo:\n" + "\n".join(bad)
-
-
-def test_known_broken_references_still_exist(found):
-    stale = KNOWN_BROKEN - {(rel, ref) for rel, _, ref, _ in found}
-    assert not stale, f"fixed: remove {sorted(stale)} from KNOWN_BROKEN"
 
 
 def test_the_checker_catches_what_it_should():

@@ -1,10 +1,11 @@
 """Per-kernel microbenchmarks at the full model's shapes, every Pallas kernel beside its XLA reference.
 
-    python -m bench.kernels --out bench/results/kernels_h200.json [--only SUBSTR] [--iters 30]
+    python -m bench.kernels --out bench/results/kernels_h200.json [--only SUBSTR] [--iters 30] [--smoke]
 
 (`python -m bench.kernels.all` is the same.)
 
-Cases come from each kernel's `cases()` (bench/kernels/{gemm,moe,indexer,sparse_attention,mhc}.py):
+Cases come from each kernel's `cases(smoke)` (bench/kernels/{gemm,moe,indexer,sparse_attention,mhc}.py; --smoke:
+their tiny shapes, for a CPU run in interpret mode):
 dicts with name, fn_pallas, fn_xla, make_args (random full-shape device arrays, fixed seed) and bytes (the
 fewest bytes the op must move). For each case: both outputs are compared (max |diff| / max |ref| over the
 finite entries; masked -inf entries must agree exactly), then both are timed as device busy time per call
@@ -41,7 +42,7 @@ def compare(got, want) -> tuple[float, bool]:
     return float(err), masks_equal
 
 
-def collect(only: str):
+def collect(only: str, smoke: bool = False):
     cases = []
     for pkg in PACKAGES:
         try:
@@ -49,7 +50,7 @@ def collect(only: str):
         except ModuleNotFoundError:
             print(f"(no bench module for {pkg})", file=sys.stderr)
             continue
-        for c in mod.cases():
+        for c in mod.cases(smoke):
             c = dict(c, name=f"{pkg}/{c['name']}")
             if only in c["name"]:
                 cases.append(c)
@@ -65,9 +66,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="every kernel's tiny cases (CPU: interpret mode)")
     a = ap.parse_args(argv)
     rows = []
-    for c in collect(a.only):
+    for c in collect(a.only, a.smoke):
         row = {"name": c["name"], "bytes": c["bytes"]}
         try:
             args = c["make_args"]()

@@ -1,16 +1,16 @@
 """Microbenchmark cases of the small-M GEMM at V4.1 decode shapes (timed by bench/kernels/timing.py).
 
-`cases()` -> list of dicts: name, fn_pallas, fn_xla (jitted callables on the args), make_args (zero-arg: random
+`cases(smoke=False)` -> list of dicts: name, fn_pallas, fn_xla (jitted, on the args), make_args (zero-arg: random
 full-shape device arrays, fixed seed), bytes (minimum bytes moved: one layer's weight (+ scales), x, y).
 Cases: M in {1, 8, 32} x {wq_a 1280x5120, wq_b 32768x1280, wo_b 5120x8192, shared w1 2304x5120} x {bf16, FP8},
 each weight stacked [L=4, N, K] with a layer index, so the XLA branch pays the per-layer slice the model pays.
 
-`python -m bench.kernels.gemm [--iters N] [--only SUBSTR] [--sweep] [--out results.json]` times both on the
+`python -m bench.kernels.gemm [--iters N] [--only SUBSTR] [--sweep] [--out results.json] [--smoke]` times both on the
 current device and prints a table last: wall_us = median wall time of synced calls (includes ~10-40 us of
 dispatch), dev_us = device busy time per call from a profiler trace (union of the GPU's kernel/memcpy intervals
 / calls; "-" if the trace has no device plane), GB/s = bytes / dev_us (HBM peak 4.8 TB/s, copy ~4.3 TB/s), and
 rel_err = max |pallas - xla| / max |xla|. --sweep instead times the Pallas kernel over a few tile configs per
-case and prints the best ones (for block_sizes.py).
+case and prints the best ones (for block_sizes.py). --smoke: one 256x512 weight at M = 5 (CPU check).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pallas_kernels.gemm.kernel import matmul
 L = 4
 SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120)}
 MS = (1, 8, 32)
+SMOKE_SHAPES, SMOKE_MS = {"w_small": (256, 512)}, (5,)  # --smoke: interpret mode on the CPU
 SWEEP = [(32, 256, 4, 3), (64, 256, 4, 3), (64, 512, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 4, 4),
          (32, 512, 4, 4), (64, 256, 8, 4)]  # (bn, bk, num_warps, num_stages)
 
@@ -53,11 +54,11 @@ def _fn(implementation, block=None):
     return jax.jit(lambda x, w, s, l: matmul(x, w, scale=s, layer=l, implementation=implementation, block=block))
 
 
-def cases() -> list[dict]:
+def cases(smoke: bool = False) -> list[dict]:
     out = []
     for fp8 in (False, True):
-        for wname, (N, K) in SHAPES.items():
-            for M in MS:
+        for wname, (N, K) in (SMOKE_SHAPES if smoke else SHAPES).items():
+            for M in (SMOKE_MS if smoke else MS):
                 out.append({"name": f"gemm_{wname}_{'fp8' if fp8 else 'bf16'}_M{M}", "fn_pallas": _fn("pallas"),
                             "fn_xla": _fn("xla"), "make_args": functools.partial(_make_args, M, N, K, fp8),
                             "bytes": _bytes(M, N, K, fp8), "shape": (M, N, K), "fp8": fp8})
@@ -75,7 +76,7 @@ def sweep_fns(case):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    run(cases(), argv, "bench.kernels.gemm", sweep_fns)
+    run(cases, argv, "bench.kernels.gemm", sweep_fns)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 ratio 1, T=1), for B in {1, 8, 32} with the automatic launch configuration, plus launch-configuration variants
 for tuning on the H200.
 
-`cases()` -> list of dicts: name, fn_pallas, fn_xla (jitted callables taking *make_args()), make_args (builds
-random device arrays with a fixed seed: real-looking FP8 ring entries and FP4 latents in a page pool sized for
-8K tokens of context per sequence, 512 sorted distinct selections per row), bytes (the minimum HBM traffic of
+`cases(smoke=False)` -> list of dicts: name, fn_pallas, fn_xla (jitted callables taking *make_args(): the
+kernel, and the model's XLA path through dsv41_jax.ops.csa_attention), make_args (builds the operand bundles
+SparseAttentionOperands / PagedAttentionKV of random device arrays with a fixed seed: real-looking FP8 ring
+entries and FP4 latents in a page pool sized for 8K tokens of context per sequence, 512 sorted distinct
+selections per row), bytes (the minimum HBM traffic of
 the op: the row's W-1 ring entries and its chunk row, the k selected latents, the selection indices and page
 table entries, q, sink and the bf16 output).
 
-`python -m bench.kernels.sparse_attention [--out FILE] [--only SUBSTR] [--chain N]` (GPU): for every case, checks
+`python -m bench.kernels.sparse_attention [--out FILE] [--only SUBSTR] [--chain N] [--smoke]` (GPU; --smoke: one
+tiny case, H = 8, d = 64, 256 tokens, the CPU check of tests/test_bench_kernels.py): for every case, checks
 the Pallas output against the XLA reference at the full shape (max error in bf16 ulps of each row's max|ref|,
 fraction bit-identical), times both (median over repetitions of a chain of calls inside one program, so the
 ~35 us per-call dispatch is amortised) and prints a table last, with the bandwidth against 4.3 TB/s.
@@ -17,92 +20,121 @@ fraction bit-identical), times both (median over repetitions of a chain of calls
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_result
+from dsv41_jax import ops
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.kv_cache import KVState, PagedGlobal, PagedKV, PageLayout, SwaPool
+from dsv41_jax.kv_format import PAGE_TOKENS, fp4_latent_bytes
+from dsv41_jax.ops import ExecContext
+from pallas_kernels.sparse_attention import PagedAttentionKV, SparseAttentionOperands, paged_sparse_attention
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes
-from pallas_kernels.sparse_attention.kernel import paged_sparse_attention
 
-H, D, W, K, RATIO, L = 64, 512, 128, 512, 1, 40
-CONTEXT = 8192
-PAGE_TOKENS = 64
-EB = D // 2 + D // 16  # 288
-E = D + D // 32  # 528
-# the full model's page: latent regions of the three ratio-2 sources and the ratio-1 source, then index keys
-REGION = 3 * 32 * EB
-PAGE_BYTES = 3 * 32 * EB + 64 * EB + 3 * 32 * 68 + 64 * 68  # 56960
+RATIO = 1
+FULL = dict(H=64, D=512, W=128, K=512, L=40, context=8192)
+SMOKE = dict(H=8, D=64, W=128, K=64, L=2, context=256)  # --smoke: interpret mode on the CPU
 COPY_CEILING = 4.3e12  # H200 HBM copy bandwidth, B/s
 
 
-def make_args(B: int, T: int = 1, seed: int = 0):
+@functools.cache
+def layout(D: int) -> PageLayout:
+    """The full model's page at D = 512 (latents of the three ratio-2 sources, then the ratio-1 source, then the
+    index keys); otherwise one ratio-1 latent region (the smoke shapes)."""
+    if D == FULL["D"]:
+        return PageLayout.for_config(ModelConfig.preset("full"))
+    eb = fp4_latent_bytes(D)
+    return PageLayout(((("lat", RATIO, 0), (0, PAGE_TOKENS, eb)),), PAGE_TOKENS * eb, "fp4", D, 128)
+
+
+def make_args(B: int, T: int = 1, seed: int = 0, *, H, D, W, K, L, context):
+    """(SparseAttentionOperands, PagedAttentionKV) of a decode step at position context - T."""
+    lay = layout(D)
+    region, _, eb = lay.region("lat", RATIO, 0)
+    e = D + D // 32  # FP8 ring entry: E4M3 bytes, then UE8M0 per 32
     key = jax.random.key(seed)
     ks = jax.random.split(key, 8)
-    max_pages = CONTEXT // PAGE_TOKENS
+    max_pages = context // PAGE_TOKENS
     n_pages = B * max_pages + 1
     u8 = jnp.uint8
-    pages = jax.random.bits(ks[0], (n_pages, PAGE_BYTES), u8)
-    lat = pages[:, REGION:REGION + 64 * EB].reshape(n_pages, 64, EB)
-    sc = jax.random.randint(ks[1], (n_pages, 64, D // 16), 0x20, 0x50).astype(u8)  # E4M3 scales ~2^-4..2^2
-    pages = pages.at[:, REGION:REGION + 64 * EB].set(lat.at[..., D // 2:].set(sc).reshape(n_pages, -1))
-    ring = jax.random.bits(ks[2], (L, B + 1, W, E), u8)
+    pages = jax.random.bits(ks[0], (n_pages, lay.page_bytes), u8)
+    lat = pages[:, region:region + PAGE_TOKENS * eb].reshape(n_pages, PAGE_TOKENS, eb)
+    sc = jax.random.randint(ks[1], (n_pages, PAGE_TOKENS, D // 16), 0x20, 0x50).astype(u8)  # E4M3 scales ~2^-4..2^2
+    pages = pages.at[:, region:region + PAGE_TOKENS * eb].set(lat.at[..., D // 2:].set(sc).reshape(n_pages, -1))
+    ring = jax.random.bits(ks[2], (L, B + 1, W, e), u8)
     ring = ring.at[..., :D].set(ring[..., :D] & 0xF7)  # |E4M3| <= 240, never NaN
     ring = ring.at[..., D:].set(jax.random.randint(ks[3], (L, B + 1, W, D // 32), 118, 126).astype(u8))
     table = (jax.random.permutation(ks[4], B * max_pages) + 1).reshape(B, max_pages).astype(jnp.int32)
-    pos0 = jnp.full((B,), CONTEXT - T, jnp.int32)
-    n_ent = CONTEXT // RATIO
-    scores = jax.random.uniform(ks[5], (B, T, n_ent))
+    pos0 = jnp.full((B,), context - T, jnp.int32)
+    scores = jax.random.uniform(ks[5], (B, T, context // RATIO))
     sel = jnp.sort(jax.lax.top_k(scores, K)[1], axis=-1).astype(jnp.int32)
     q = (jax.random.normal(ks[6], (B, T, H, D)) * 2).astype(jnp.bfloat16)
     chunk = jax.random.normal(ks[7], (B, T, D)).astype(jnp.bfloat16)
     sink = jnp.linspace(-1, 1, H, dtype=jnp.float32)
-    return (q, chunk, ring, jnp.int32(20), jnp.arange(B, dtype=jnp.int32), pos0, jnp.zeros((B,), jnp.int32), pages,
-            table, sel, jnp.int32(REGION), sink)
+    a = SparseAttentionOperands(q=q, chunk_kv=chunk, pos0=pos0, clip=jnp.zeros((B,), jnp.int32), sel=sel, sink=sink,
+                                layer=jnp.int32(L // 2), src=jnp.int32(0), ratio=RATIO)
+    kv = PagedAttentionKV(ring=ring, ring_slot=jnp.arange(B, dtype=jnp.int32), pages=pages, page_table=table,
+                          region=jnp.int32(region), page_tokens=PAGE_TOKENS, entry_bytes=eb)
+    return a, kv
 
 
-def min_bytes(B: int, T: int = 1) -> int:
+def min_bytes(B: int, T: int = 1, *, H, D, W, K, L, context) -> int:
     rows = B * T
-    keys = (W - T) * E * B + T * D * 2 * B + rows * K * EB  # ring entries read once per sequence for T <= W
+    eb, e = fp4_latent_bytes(D), D + D // 32
+    keys = (W - T) * e * B + T * D * 2 * B + rows * K * eb  # ring entries read once per sequence for T <= W
     meta = rows * K * 4 + B * (K // (PAGE_TOKENS // RATIO) + 1) * 4 + H * 4
     io = 2 * rows * H * D * 2  # q in, o out (bf16)
     return keys + meta + io
 
 
-def _fns(bs: BlockSizes | None):
-    kw = dict(ratio=RATIO, scale=D ** -0.5)
-    fp = jax.jit(functools.partial(paged_sparse_attention, **kw, implementation="pallas", block_sizes=bs))
-    fx = jax.jit(functools.partial(paged_sparse_attention, **kw, implementation="xla"))
-    return fp, fx
+def xla_reference(a: SparseAttentionOperands, kv: PagedAttentionKV):
+    """The model's XLA path on the same operands: the ops seam's reference branch (window over the packed rings,
+    selected latents through PagedKV, dsv41_jax.attention.sparse_attention)."""
+    d, W = a.q.shape[-1], kv.ring.shape[2]
+    cfg = SimpleNamespace(qdq=True, head_dim=d, compute_dtype="bfloat16", window_size=W)
+    ex = ExecContext(kv=PagedKV(layout(d), "bfloat16"))
+    state = KVState(SwaPool(kv.ring, kv.ring_slot), PagedGlobal(kv.pages, kv.page_table), None)
+    return ops.csa_attention(ex, cfg, a, state)
 
 
-def cases() -> list[dict]:
+def _fns(bs: BlockSizes | None, D: int):
+    fp = jax.jit(functools.partial(paged_sparse_attention, scale=D ** -0.5, block_sizes=bs))
+    return fp, jax.jit(xla_reference)
+
+
+def cases(smoke: bool = False) -> list[dict]:
+    """The full decode shape at B = 1, 8, 32 (automatic launch) and tuning variants; smoke: one tiny case."""
+    shape = SMOKE if smoke else FULL
+    variants = [(1, None)] if smoke else [(B, None) for B in (1, 8, 32)]
+    if not smoke:
+        variants += [(1, BlockSizes(block_h=16)), (8, BlockSizes(num_splits=2)), (32, BlockSizes(num_splits=1)),
+                     (32, BlockSizes(num_splits=2)), (32, BlockSizes(block_h=16, num_splits=1)),
+                     (32, BlockSizes(block_h=32, num_splits=2))]
     out = []
-    variants = [(B, None) for B in (1, 8, 32)]
-    variants += [(1, BlockSizes(block_h=16)), (8, BlockSizes(num_splits=2)), (32, BlockSizes(num_splits=1)),
-                 (32, BlockSizes(num_splits=2)), (32, BlockSizes(block_h=16, num_splits=1)),
-                 (32, BlockSizes(block_h=32, num_splits=2))]
     for B, bs in variants:
-        fp, fx = _fns(bs)
+        fp, fx = _fns(bs, shape["D"])
         tag = "auto" if bs is None else f"h{bs.block_h or 64}_s{bs.num_splits or 'auto'}"
-        out.append(dict(name=f"decode_b{B}_{tag}", fn_pallas=fp, fn_xla=fx,
-                        make_args=functools.partial(make_args, B), bytes=min_bytes(B)))
+        out.append(dict(name=f"decode_b{B}_{tag}" + ("_smoke" if smoke else ""), fn_pallas=fp, fn_xla=fx,
+                        make_args=functools.partial(make_args, B, **shape), bytes=min_bytes(B, **shape)))
     return out
 
 
 def _chain(fn, n: int):
     """n dependent calls in one program: call i+1's sink depends on call i's output (a 64-float fusion)."""
-    def run(*args):
-        args = list(args)
+    def run(a, kv):
         o = None
         for _ in range(n):
             if o is not None:
-                args[11] = args[11] + 0.0 * o[0, 0, 0, 0].astype(jnp.float32)
-            o = fn(*args)
+                a = dataclasses.replace(a, sink=a.sink + 0.0 * o[0, 0, 0, 0].astype(jnp.float32))
+            o = fn(a, kv)
         return o
     return jax.jit(run)
 
@@ -132,9 +164,10 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--chain", type=int, default=10, help="dependent calls per timed program")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median)")
+    ap.add_argument("--smoke", action="store_true", help="one tiny case (CPU: interpret mode)")
     a = ap.parse_args(argv)
     rows, results = [], {}
-    for c in cases():
+    for c in cases(a.smoke):
         if a.only not in c["name"]:
             continue
         args = c["make_args"]()

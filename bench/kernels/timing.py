@@ -2,7 +2,8 @@
 
 `wall_us` = median wall time of synced calls (includes ~10-40 us of dispatch); `device_us` = device busy time
 per call from a profiler trace (union of the GPU's kernel/memcpy intervals / calls; None if the trace has no
-device plane); `run(cases, argv, prog)` = the `--iters/--only/--sweep/--out` CLI over a kernel's cases, which
+device plane); `run(cases, argv, prog)` = the `--iters/--only/--sweep/--out/--smoke` CLI over a kernel's
+`cases(smoke)` (--smoke: its tiny shapes, the CPU check of tests/test_bench_kernels.py), which
 prints a table last (GB/s = bytes / dev_us; HBM peak 4.8 TB/s, copy ~4.3 TB/s; rel_err = max |pallas - xla| /
 max |xla|).
 """
@@ -71,15 +72,16 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def run(cases: list[dict], argv, prog: str, sweep_fn=None):
+def run(cases, argv, prog: str, sweep_fn=None):
     ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: interpret mode)")
     a = ap.parse_args(argv)
     rows = []
-    for c in cases:
+    for c in cases(a.smoke):
         if a.only not in c["name"]:
             continue
         args = c["make_args"]()
