@@ -20,13 +20,13 @@ import pytest
 import checkpoints
 from checkpoints.tree import flat
 from dsv41_jax import paths
-from dsv41_jax import train as T
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.default_model import DIR
 from dsv41_jax.engram_hash import EngramHasher
 from serving.api.chat_template import ChatTemplate
 from serving.api.testing import shared_cache_dir
 from serving.tokenizer import HFTokenizer
+from training import objective as T
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_TOL = 0.03

@@ -1,0 +1,1 @@
+"""Training the default model: the QAT objective, the corpus, the trainer (imported by bench/ and tests/ only)."""
