@@ -13,7 +13,7 @@ trap 'touch "$W/DONE"' EXIT
 export PYTHONUNBUFFERED=1
 python3 -m training.code_corpus --out "$W/corpus"
 python3 -m training.train_default --corpus "$W/corpus" --out "$W/probe" --cache-dir "$W/jax_cache" \
-    --probe "${PROBE:-2048x64,8192x16}" --probe-steps 8
+    --probe "${PROBE:-2048x32,8192x8}" --probe-steps 8
 LEFT=$(python3 -c "import time; print(round(($END - time.time()) / 60, 2))")
 python3 -m training.train_default --corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" \
     --total-minutes "$LEFT" --minutes "$LEFT" "$@"

@@ -2,10 +2,10 @@
 
     python -m training.code_corpus --out /tmp/corpus                      # the corpus (GPU machine: ~1 min)
     python -m training.train_default --corpus /tmp/corpus --out /tmp/run  # one H200, --total-minutes in all
-    python -m training.train_default --corpus /tmp/corpus --probe 64x2048,16x8192   # throughput only
+    python -m training.train_default --corpus /tmp/corpus --probe 2048x32,8192x8    # throughput only
     python -m training.train_default --smoke --out /tmp/smoke             # CPU: the whole pipeline, tiny
 
-The model (`model_config`): the V4.1 structure at ~11M backbone parameters with an 8K context. 8 layers: 0 SWA
+The model (`model_config`): the V4.1 structure at 13.0M backbone parameters with an 8K context. 8 layers: 0 SWA
 only; 1-3 ratio 2 (1: KV + index source, Engram; 2-3 reuse); decoder 4-7 ratio 1 (4: KV source and candidate
 source, 5 reuse, 6 Reindex, 7 reuse); window 128, index top-128 of up to 8192 entries inside 64 candidate
 blocks of 8; 8 routed experts (top-2, 128 wide) + a shared one; mHC x4; 4 output groups; vocabulary 8192
@@ -15,7 +15,9 @@ Training (training.objective): f32 masters, quantization-aware forward with the 
 (straight-through), bf16 compute, AdamW with warm-up + cosine over the wall-clock budget, aux-loss-free expert
 balancing, an indexer KL term. Data parallel: batches sharded over a mesh of all devices (training.data), made
 by background threads. A context curriculum (`--phases`): each phase a (B x T) shape and a share of the budget,
-by default most of the time at 2K tokens and the last part at 8K windows starting at document starts. The step
+by default most of the time at 2K tokens and the last part at 8K windows starting at document starts; 64K
+tokens per step, because the step takes about 820 KB of GPU memory per token (64 x 2048 needed 107 GB on the H200
+and ran out of memory beside the eval program: bench/results/train_throughput_h200.json). The step
 is compiled once per phase shape (persistent compilation cache), with donated buffers, and the host reads the
 metrics only every `--log-every` steps. A checkpoint (masters, optimizer state, step, elapsed time) is written
 every `--ckpt-every` seconds and at the end; `--resume` continues from it. The exported checkpoint is the one with
@@ -81,7 +83,7 @@ def parse(argv=None):
     ap.add_argument("--total-minutes", type=float, default=9.0,
                     help="cut the training budget so that the whole run (compiles, export, eval) ends by then")
     ap.add_argument("--reserve", type=float, default=60.0, help="seconds kept for export and evaluation")
-    ap.add_argument("--phases", default="2048x64:0.88,8192x16:0.12",
+    ap.add_argument("--phases", default="2048x32:0.88,8192x8:0.12",
                     help="context curriculum: TxB:share,... (shares of the budget, in order)")
     ap.add_argument("--probe", default="", help="TxB,...: time each shape's step (--probe-steps) and exit")
     ap.add_argument("--probe-steps", type=int, default=12)
