@@ -58,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="2048x4", help="TxB of the batch")
     ap.add_argument("--aux-stride", type=int, default=16)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--fast-attention", action="store_true", help="the training.fast_attention core")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     t, b = (int(x) for x in a.shape.lower().split("x"))
@@ -67,13 +68,13 @@ def main(argv=None):
     st = jax.jit(tx.init)(m)
     ex = D.host_batch(cfg, EngramHasher(cfg), np.zeros((b, t + 1), np.int32))
     t0 = time.perf_counter()
-    with T.training_hooks(indexer_stride=a.aux_stride):
+    with T.training_hooks(indexer_stride=a.aux_stride, fast_attention=a.fast_attention):
         c = jax.jit(T.make_train_step(cfg, h, tx)).lower(m, st, *ex, jnp.float32(0)).compile()
     compile_s = time.perf_counter() - t0
     ma = c.memory_analysis()
     ca = c.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca
-    res = {"shape": a.shape, "tokens": b * t, "compile_s": round(compile_s, 1),
+    res = {"shape": a.shape, "tokens": b * t, "fast_attention": a.fast_attention, "compile_s": round(compile_s, 1),
            "temp_bytes": int(ma.temp_size_in_bytes), "temp_bytes_per_token": int(ma.temp_size_in_bytes / (b * t)),
            "flops": float(ca.get("flops", 0)), "bytes_accessed": float(ca.get("bytes accessed", 0)),
            "largest": largest(c.as_text(), a.top)}

@@ -128,3 +128,30 @@ def test_token_files_windows_and_scoring_windows(tmp_path):
     win, mask = ev.windows_of(doc)
     assert win.shape == (3, 9) and mask.sum() == len(doc) - 1  # every token after the first scored once
     assert np.array_equal(win[1, :9], doc[8:17]) and win[2, 4] == corpus.PAD
+
+
+def test_fast_attention_matches_the_served_core():
+    """training.fast_attention computes the served sparse attention (random q, keys, masks, sinks; some rows
+    with no valid key at all) up to bf16 rounding, and its gradient exists where the served one does."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax import attention
+    from dsv41_jax.config import ModelConfig
+    from training import fast_attention
+
+    cfg = ModelConfig.preset("tiny")
+    k = jax.random.split(jax.random.PRNGKey(3), 4)
+    B, T, H, K, d = 2, 5, 4, 200, 64
+    q = jax.random.normal(k[0], (B, T, H, d), jnp.float32).astype(jnp.bfloat16)
+    keys = (2 * jax.random.normal(k[1], (B, T, K, d), jnp.float32)).astype(jnp.bfloat16)
+    valid = jax.random.bernoulli(k[2], 0.6, (B, T, K)).at[0, 0].set(False)
+    sink = jax.random.normal(k[3], (H,), jnp.float32)
+    want = attention.sparse_attention(cfg, q, keys, valid, sink, d ** -0.5).astype(jnp.float32)
+    got = fast_attention.sparse_attention(cfg, q, keys, valid, sink, d ** -0.5).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(want))) > 0.05
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
+    assert float(jnp.max(jnp.abs(got[0, 0]))) == 0.0  # no valid key: only the sink, a zero output
+    f = lambda fn: lambda qq: jnp.sum(fn(cfg, qq, keys, valid, sink, d ** -0.5).astype(jnp.float32) ** 2)  # noqa: E731
+    gw, gg = jax.grad(f(attention.sparse_attention))(q), jax.grad(f(fast_attention.sparse_attention))(q)
+    np.testing.assert_allclose(np.asarray(gg, np.float32), np.asarray(gw, np.float32), atol=5e-2, rtol=5e-2)

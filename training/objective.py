@@ -281,8 +281,9 @@ def hooks_available() -> dict:
 
 
 @contextlib.contextmanager
-def training_hooks(*, indexer_stride: int = 0, balance: bool = True):
-    """Install the training-only hooks (module docstring) while a program is traced."""
+def training_hooks(*, indexer_stride: int = 0, balance: bool = True, fast_attention: bool = False):
+    """Install the training-only hooks (module docstring) while a program is traced; `fast_attention` also swaps
+    the sparse attention core for `training.fast_attention` (same quantity, one-pass bf16 numerics)."""
     have = hooks_available()
     if not have["expert_weight"]:
         raise RuntimeError("dsv41_jax.layers.expert_weight is gone: the QAT expert hook needs updating")
@@ -297,6 +298,10 @@ def training_hooks(*, indexer_stride: int = 0, balance: bool = True):
         patch(layers, "gate", _balanced_gate(layers.gate))
     if indexer_stride and have["indexer"]:
         patch(model, "_attention", _attention_with_indexer_terms(model._attention, indexer_stride))
+    if fast_attention:
+        from training import fast_attention as fa
+
+        patch(attention, "sparse_attention", fa.sparse_attention)
     try:
         yield have
     finally:

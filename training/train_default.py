@@ -88,6 +88,8 @@ def parse(argv=None):
     ap.add_argument("--probe", default="", help="TxB,...: time each shape's step (--probe-steps) and exit")
     ap.add_argument("--probe-steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fast-attention", action="store_true",
+                    help="train with training.fast_attention (one-pass bf16 sparse attention core)")
     ap.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR), help="directory with tokenizer.json")
     ap.add_argument("--peak-lr", type=float, default=2e-3)
     ap.add_argument("--aux-stride", type=int, default=16, help="indexer KL on every N-th query row (0: off)")
@@ -148,11 +150,11 @@ def ensure_corpus(a) -> dict:
 class Run:
     """Masters, optimizer state, and one compiled step per batch shape."""
 
-    def __init__(self, cfg, h, mesh, seed):
+    def __init__(self, cfg, h, mesh, seed, fast_attention: bool = False):
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        self.cfg, self.h, self.mesh = cfg, h, mesh
+        self.cfg, self.h, self.mesh, self.fast = cfg, h, mesh, fast_attention
         rep = NamedSharding(mesh, P())
         self.masters = jax.jit(lambda: T.init_masters(cfg, seed), out_shardings=rep)()
         self.tx = T.make_optimizer(h, self.masters)
@@ -167,7 +169,7 @@ class Run:
         t0 = time.perf_counter()
         b, t = shape
         ex = D.shard(self.mesh, D.host_batch(self.cfg, hasher, np.zeros((b, t + 1), np.int32)))
-        with T.training_hooks(indexer_stride=self.h.aux_stride):
+        with T.training_hooks(indexer_stride=self.h.aux_stride, fast_attention=self.fast):
             self.compiled[shape] = self.step_fn.lower(self.masters, self.opt_state, *ex, jnp.float32(0)).compile()
         self.compile_s[f"{t}x{b}"] = round(time.perf_counter() - t0, 1)
 
@@ -194,7 +196,7 @@ class Run:
 
 def probe(a, cfg, h, mesh, hasher, train):
     """Compile and time each --probe shape: median step seconds after 2 warm-up steps."""
-    run = Run(cfg, h, mesh, a.seed)
+    run = Run(cfg, h, mesh, a.seed, a.fast_attention)
     rows = []
     for s in a.probe.split(","):
         shape = _shape(s)
@@ -226,7 +228,7 @@ def probe(a, cfg, h, mesh, hasher, train):
                      "peak_bytes": int(mem.get("peak_bytes_in_use", 0)), "ce": float(met["ce"])})
         print(json.dumps(rows[-1]), flush=True)
     res = {"device": str(jax.devices()[0].device_kind), "n_devices": mesh.size, "jax": jax.__version__,
-           "backbone_params": cfg.num_params(), "rows": rows}
+           "backbone_params": cfg.num_params(), "fast_attention": a.fast_attention, "rows": rows}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "probe.json").write_text(json.dumps(res, indent=1) + "\n")
     print("\n" + "\n".join(f"{r['shape']:>10} {r['tokens_per_s']:>10,} tok/s  step {r['step_s_free_running']:.3f} s"
@@ -290,7 +292,7 @@ def main(argv=None):
         return probe(a, cfg, h, mesh, hasher, train)
 
     phases = _phases(a.phases)
-    run = Run(cfg, h, mesh, a.seed)
+    run = Run(cfg, h, mesh, a.seed, a.fast_attention)
     t0 = time.perf_counter()
     for shape, _ in phases:
         run.compile(hasher, shape)
@@ -425,6 +427,7 @@ def main(argv=None):
                      "final_train_ce": round(metrics.get("ce", float("nan")), 4),
                      "final_indexer_kl": round(metrics.get("indexer_kl", float("nan")), 4),
                      "hyper": {k: getattr(h, k) for k in h.__dataclass_fields__}, "n_devices": mesh.size,
+                     "fast_attention": a.fast_attention,
                      "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                      "command": "python -m training.train_default " + " ".join(sys.argv[1:] if argv is None else argv),
                      "curve": curve},
