@@ -20,8 +20,9 @@ Three training-only hooks (`training_hooks`, active only while a training progra
   random projection of the latent, which the trained query side absorbs). Query rows are subsampled with a static
   stride. The same hook measures the indexer's recall: the attention mass its top-k captures, on rows with more
   visible entries than k, against k / visible entries for a random pick.
-The hooks wrap `dsv41_jax.layers.{expert_weight, gate}` and `dsv41_jax.model._attention` (its arguments are
-bound by name); `hooks_available()` says whether the model code still offers them.
+The hooks wrap `dsv41_jax.layers.{expert_weight, gate}`, `dsv41_jax.model._attention` (its arguments are
+bound by name) and, with `fast_attention`, `dsv41_jax.attention.sparse_attention`; `hooks_available()` says
+whether the model code still offers them.
 """
 
 from __future__ import annotations
