@@ -42,7 +42,7 @@ from dsv41_jax import layers, parallel, quant
 from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
 from dsv41_jax.sharding import Parallel
-from dsv41_jax.train_attention import TRAIN_ATTENTION, onepass_core
+from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mhc
 from pallas_kernels import indexer as index_kernel
@@ -376,6 +376,8 @@ def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     impl = _impl(ex, "sparse_attention")
     if impl is not None and not a.fresh:
         return impl(cfg, ex.kv, a, state)
+    if ex.hooks is not None and ex.hooks.attention == "blocked" and a.fresh:
+        return blocked_attention(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
     q, kv = a.q, a.chunk_kv
     B, T, H, d = q.shape
     W = cfg.window_size

@@ -27,3 +27,68 @@ def test_onepass_core_matches_the_served_core():
     f = lambda fn: lambda qq: jnp.sum(fn(cfg, qq, keys, valid, sink, d ** -0.5).astype(jnp.float32) ** 2)  # noqa: E731
     gw, gg = jax.grad(f(attention.sparse_attention))(q), jax.grad(f(onepass_core))(q)
     np.testing.assert_allclose(np.asarray(gg, np.float32), np.asarray(gw, np.float32), atol=5e-2, rtol=5e-2)
+
+
+# ----------------------------------------------------------------------------- blocked attention
+def _core_case(cfg, B, T, C, k, seed, clip):
+    """Random operands of one fresh CSA2 call (window + selected latents): distinct sorted ids per row, some -1."""
+    import dataclasses
+
+    from dsv41_jax import model, ops
+    from dsv41_jax.kv_cache import DenseGlobal
+
+    H, d = cfg.n_heads, cfg.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    dt = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
+    q = (2 * jax.random.normal(ks[0], (B, T, H, d), jnp.float32)).astype(dt)
+    kv = jax.random.normal(ks[1], (B, T, d), jnp.float32).astype(dt)
+    lat = jax.random.normal(ks[2], (B, C, d), jnp.float32).astype(dt)
+    order = jnp.argsort(jax.random.uniform(ks[3], (B, T, C)), axis=-1)[..., :k]
+    sel = jnp.sort(order, axis=-1)
+    sel = jnp.where(jax.random.bernoulli(ks[4], 0.2, sel.shape), -1, sel).astype(jnp.int32)
+    sink = jax.random.normal(ks[5], (H,), jnp.float32)
+    state = model.init_state(cfg, B, T)
+    r = 1 if 1 in state.glob.lat else next(iter(state.glob.lat))
+    glob = DenseGlobal({**state.glob.lat, r: state.glob.lat[r].at[0, :, :C].set(lat)}, state.glob.idx)
+    state = dataclasses.replace(state, glob=glob)
+    a = ops.AttentionOperands(q=q, chunk_kv=kv, pos0=jnp.zeros((B,), jnp.int32), clip=jnp.asarray(clip, jnp.int32),
+                              sel=sel, sink=sink, layer=jnp.asarray(0, jnp.int32), src=jnp.asarray(0, jnp.int32),
+                              ratio=r, fresh=True)
+    return a, state
+
+
+def _core(cfg, a, state, attention):
+    from dsv41_jax import ops
+
+    ex = ops.ExecContext(hooks=ops.TrainHooks(attention=attention))
+    return ops.csa_attention(ex, cfg, a, state)
+
+
+def test_blocked_core_equals_the_served_core():
+    """ops.csa_attention with TrainHooks(attention="blocked") vs the served gathered core on random operands:
+    T = 45 over window 8 (wrap, a partial last block), top-8 of 40 latents, a replay clip on one sequence.
+    f32: outputs and gradients (q, chunk kv, latents, sink) to 1e-5; bf16: to bf16 rounding."""
+    import dataclasses
+
+    tiny = ModelConfig.preset("tiny")
+    for cfg, tol in ((dataclasses.replace(tiny, compute_dtype="float32"), 1e-5), (tiny, 2e-2)):
+        a, state = _core_case(cfg, B=2, T=45, C=40, k=cfg.index_topk, seed=1, clip=[0, 13])
+        want, got = _core(cfg, a, state, "served"), _core(cfg, a, state, "blocked")
+        assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0.1
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+        w = jax.random.normal(jax.random.PRNGKey(9), want.shape, jnp.float32)
+
+        def loss(attention, q, kv, lat, sink):
+            b = dataclasses.replace(a, q=q, chunk_kv=kv, sink=sink)
+            r = a.ratio
+            s = dataclasses.replace(state, glob=dataclasses.replace(
+                state.glob, lat={**state.glob.lat, r: state.glob.lat[r].at[0].set(lat)}))
+            return jnp.sum(_core(cfg, b, s, attention).astype(jnp.float32) * w)
+
+        args = (a.q, a.chunk_kv, state.glob.lat[a.ratio][0], a.sink)
+        gw = jax.grad(lambda *x: loss("served", *x), argnums=(0, 1, 2, 3))(*args)
+        gg = jax.grad(lambda *x: loss("blocked", *x), argnums=(0, 1, 2, 3))(*args)
+        for x, y in zip(gg, gw):
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            assert np.max(np.abs(y)) > 0
+            np.testing.assert_allclose(x, y, atol=tol * np.max(np.abs(y)), rtol=tol)
