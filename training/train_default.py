@@ -89,7 +89,7 @@ def parse(argv=None):
     ap.add_argument("--probe", default="", help="TxB,...: time each shape's step (--probe-steps) and exit")
     ap.add_argument("--probe-steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention", default="served", choices=TRAIN_ATTENTION,
+    ap.add_argument("--attention", default="blocked", choices=TRAIN_ATTENTION,
                     help="the attention core's training form (dsv41_jax.train_attention; eval/export: served)")
     ap.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR), help="directory with tokenizer.json")
     ap.add_argument("--peak-lr", type=float, default=2e-3)
