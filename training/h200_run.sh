@@ -6,7 +6,8 @@
 # The next session's one device call (probe 3 batch shapes with the blocked training attention, then train the
 # shipped model; run tool, carry [".wt/<worktree>"], timeout 600):
 #   cd .wt/<worktree> && set -o pipefail && MINUTES=9.5 W=/tmp/dm PROBE=2048x32,2048x64,8192x8 \
-#     bash training/h200_run.sh 2>&1 | tail -c 20000 > $OUT/log; cp /tmp/dm/probe/*.json /tmp/dm/run/*.json /tmp/dm/run/*.png $OUT/ 2>/dev/null || true
+#     bash training/h200_run.sh 2>&1 | tail -c 20000 > $OUT/log;
+#   cp /tmp/dm/probe/*.json /tmp/dm/run/*.json /tmp/dm/run/*.png $OUT/ 2>/dev/null || true
 # ATTENTION (default blocked, dsv41_jax/train_attention.py) picks the training attention of probe and run.
 set -euo pipefail
 W=${W:-/tmp/dm}
