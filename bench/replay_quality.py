@@ -4,7 +4,7 @@
     python -m bench.replay_quality --smoke --out X.json   # CPU: the 2 check documents of 577 tokens, H = 448
     python -m bench.replay_quality --render bench/results/replay_quality_<device>.json   # plot + docs/QUALITY.md only
 
-Documents: consecutive `--doc-len`-token windows of the held-out split (bench.stdlib_corpus), scored with the
+Documents: consecutive `--doc-len`-token windows of the held-out split (training.corpus), scored with the
 shipped default model (or --checkpoint). For each turn boundary H, the next `--next` tokens [H, H+next) are
 teacher-forced and every variant's next-token distributions are compared with the exact full forward
 (`paths.forward` over the whole document: causal, so row t is exact for the prefix [0, t]):
@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv41_jax  # noqa: F401
-from bench import stdlib_corpus as corpus
 from dsv41_jax import paths
+from training import corpus
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / "dsv41_jax" / "default_model"
@@ -328,7 +328,7 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
         L += ["## The default model", "",
               f"`dsv41_jax/default_model`: {training['model']['backbone_params'] / 1e6:.1f}M backbone parameters "
               f"(+ {training['model']['engram_table_params'] / 1e6:.2f}M Engram table rows), 8K context, trained "
-              f"by `python -m bench.train_default` on one {tr['device']} in {tr['train_seconds']:.0f} s "
+              f"by `python -m training.train_default` on one {tr['device']} in {tr['train_seconds']:.0f} s "
               f"({tr['tokens_per_second']:,} tokens/s, {tr['steps']} steps, {tr['epochs']} epochs over "
               f"{c['tokens']['train']:,} training tokens of Python {c['python']}'s standard library; checkpoint of "
               f"step {tr['best_step']}, the best validation loss).", "",

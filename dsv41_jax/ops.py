@@ -42,6 +42,7 @@ from dsv41_jax import layers, parallel, quant
 from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
 from dsv41_jax.sharding import Parallel
+from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mhc
 from pallas_kernels import indexer as index_kernel
@@ -229,9 +230,16 @@ class TrainHooks:
     """Training-only behaviour of the model step (static, part of the jit key; None in serving):
     balance: the gate's bias gets the batch's expert-load signal through its gradient slot (layers.balanced_gate);
     indexer_stride > 0: each index-source layer adds the indexer KL / recall terms of every stride-th query row
-    to the step's auxiliary output (model.StepAux)."""
+    to the step's auxiliary output (model.StepAux);
+    attention: the form of the attention core in fresh (training) chunks, one of train_attention.TRAIN_ATTENTION
+    ("served": the reference's gathered online softmax; the others: dsv41_jax.train_attention)."""
     balance: bool = True
     indexer_stride: int = 0
+    attention: str = "served"
+
+    def __post_init__(self):
+        if self.attention not in TRAIN_ATTENTION:
+            raise ValueError(f"TrainHooks.attention {self.attention!r}: expected one of {TRAIN_ATTENTION}")
 
 
 @dataclass(frozen=True)
@@ -373,6 +381,8 @@ def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     impl = _impl(ex, "sparse_attention")
     if impl is not None and not a.fresh:
         return impl(cfg, ex.kv, a, state)
+    if ex.hooks is not None and ex.hooks.attention == "blocked" and a.fresh:
+        return blocked_attention(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
     q, kv = a.q, a.chunk_kv
     B, T, H, d = q.shape
     W = cfg.window_size
@@ -386,7 +396,8 @@ def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
         ck = ex.kv.latents(state.glob, a.ratio, a.src, a.sel)
         keys = jnp.concatenate([keys, ck.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, a.sel >= 0], axis=2)
-    return attn.sparse_attention(cfg, q, keys.astype(q.dtype), valid, a.sink, d ** -0.5)
+    core = onepass_core if ex.hooks is not None and ex.hooks.attention == "onepass" else attn.sparse_attention
+    return core(cfg, q, keys.astype(q.dtype), valid, a.sink, d ** -0.5)
 
 
 def ring_write(ex: ExecContext, cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:

@@ -19,7 +19,9 @@ the step's ExecContext, part of the jit key):
   weights_proj) learns from it, so the key projection (wk, k_norm) keeps its random initialisation (an
   invertible random projection of the latent, which the trained query side absorbs). Query rows are subsampled
   with a static stride. The same hook measures the indexer's recall. The sums come back in the step's typed
-  auxiliary output (`model.StepAux`), never in the KV state.
+  auxiliary output (`model.StepAux`), never in the KV state;
+- the attention core's training form (`TrainHooks.attention`, `Hyper.attention`; dsv41_jax.train_attention):
+  the same attention as served up to rounding, with less memory for the backward.
 """
 
 from __future__ import annotations
@@ -160,9 +162,10 @@ def export_params(cfg: ModelConfig, masters: dict) -> dict:
 
 # ----------------------------------------------------------------------------- forward / loss
 def train_hooks(h: Hyper | None = None, *, balance: bool = True, indexer_stride: int | None = None) -> TrainHooks:
-    """The model's training hooks for a step: gate-bias balancing and the indexer KL on every stride-th row."""
+    """The model's training hooks for a step: gate-bias balancing, the indexer KL on every stride-th row and
+    the training form of the attention core (h.attention; dsv41_jax.train_attention)."""
     stride = (h.aux_stride if h is not None else 0) if indexer_stride is None else indexer_stride
-    return TrainHooks(balance=balance, indexer_stride=stride)
+    return TrainHooks(balance=balance, indexer_stride=stride, attention=h.attention if h is not None else "served")
 
 
 def full_forward(cfg: ModelConfig, params, tokens, engram_ids, hooks: TrainHooks | None = None):
@@ -213,6 +216,7 @@ class Hyper:
     bias_gamma: float = 3e-3  # gate-bias balancing step (DeepSeek-V3 uses 1e-3 over far more steps)
     aux_weight: float = 0.1  # indexer KL weight
     aux_stride: int = 8  # indexer KL on every stride-th query row
+    attention: str = "served"  # the attention core's training form (ops.TrainHooks.attention)
 
     def lr(self, frac: float) -> float:
         """Linear warm-up then cosine decay to final_lr_frac x peak, as a function of the budget fraction."""

@@ -1,4 +1,5 @@
-"""The Python standard library's ``.py`` sources as a corpus: files, the fixed held-out split, the BPE tokenizer,
+"""The Python standard library's ``.py`` sources as a corpus (the default model's full corpus, with the installed
+packages' sources, is `training.code_corpus`): files, the fixed held-out split, the BPE tokenizer,
 token streams, and the long held-out documents of the replay-quality benchmark.
 
 Files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` of the running interpreter, test suites included
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +65,10 @@ def is_held_out(rel: str) -> bool:
     return split_bucket(rel) < HELD_OUT_PERCENT
 
 
-def split_name(rel: str) -> str:
+def split_name(rel: str, held_out: int = HELD_OUT_PERCENT, valid: int = VALID_PERCENT) -> str:
+    """'heldout' / 'valid' / 'train' by the path's bucket (the stdlib's shares by default)."""
     b = split_bucket(rel)
-    return "heldout" if b < HELD_OUT_PERCENT else "valid" if b < HELD_OUT_PERCENT + VALID_PERCENT else "train"
+    return "heldout" if b < held_out else "valid" if b < held_out + valid else "train"
 
 
 def is_test(rel: str) -> bool:
@@ -158,28 +159,6 @@ def encode_docs(tok, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray([BOS, *e.ids, END], np.int32) for e in enc]
 
 
-# ----------------------------------------------------------------------------- chat-shaped training documents
-def chat_documents(files: list[SourceFile], fraction: float, seed: int) -> list[str]:
-    """Code-continuation chats from a seeded subset of (training) files, rendered with CHAT_TEMPLATE: the user
-    shows the start of a file (up to ~3000 characters, cut at a line), the assistant continues it (~2000)."""
-    rng = random.Random(seed)
-    out = []
-    for f in files:
-        if rng.random() >= fraction:
-            continue
-        lines = f.text().splitlines(keepends=True)
-        if len(lines) < 8:
-            continue
-        cut = rng.randrange(3, len(lines) - 2)
-        user = "".join(lines[:cut])[-3000:]
-        reply = "".join(lines[cut:])[:2000]
-        ask = rng.choice(["Continue this Python code:", "Complete the following file.", "What comes next?"])
-        # rendered as CHAT_TEMPLATE does, without the BOS and the reply's <|end|> (encode_docs adds both)
-        out.append(f"<|system|>\n{SYSTEM_PROMPT}<|end|>\n<|user|>\n{ask}\n```python\n{user}```<|end|>\n"
-                   f"<|assistant|>\n{reply}")
-    return out
-
-
 # ----------------------------------------------------------------------------- streams and windows
 def stream(docs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(docs) if docs else np.zeros((0,), np.int32)
@@ -213,6 +192,24 @@ def check_texts(tok, held_out: list[SourceFile], n: int = 2, length: int = CHECK
             if len(tok.encode(text[:n_chars]).ids) + 1 >= length:
                 break
         out.append(text[:n_chars])
+        if len(out) == n:
+            break
+    return out
+
+
+def prefix_texts(tok, held_out: list[SourceFile], n: int = 20, tokens: int = 192) -> list[str]:
+    """Starts of the first `n` held-out files with over 2 x `tokens` tokens, each cut at the last line end within
+    its first `tokens` tokens (the greedy-completion prompts of tests/test_default_model.py)."""
+    out = []
+    for f in held_out:
+        text = f.text()
+        ids = tok.encode(text).ids
+        if len(ids) < 2 * tokens:
+            continue
+        head = tok.decode(ids[:tokens])
+        cut = head.rfind("\n")
+        if cut > 0 and text.startswith(head[:cut + 1]):
+            out.append(head[:cut + 1])
         if len(out) == n:
             break
     return out
