@@ -12,6 +12,7 @@ same argmax at >= 85% of the positions; the first generated token of each turn w
 token in at least 2 of 3 turns. The window is 64 here
 (the attention kernel walks the window in 64-entry chunks, as the reference's softmax does; V4.1's window is
 128)."""
+import jax
 import numpy as np
 import pytest
 
@@ -27,8 +28,18 @@ def engines(tiny, tiny_params):
     if missing_pallas_ops():
         pytest.skip(f"ops without a Pallas version: {missing_pallas_ops()}")
     cfg = tiny.replace(window_size=64)
-    return (Engine(cfg, EngineArgs(**ARGS), params=tiny_params, progress=False),
-            Engine(cfg, EngineArgs(**ARGS, kernels="pallas"), params=tiny_params, progress=False))
+    xla = Engine(cfg, EngineArgs(**ARGS), params=tiny_params, progress=False)
+    # The interpret-mode Pallas programs are not written to the persistent compilation cache: serialising them
+    # once segfaulted inside XLA (`executable.serialize()`) in a test worker that had run other files first,
+    # while the same compile + serialise passed in a fresh process.
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = jax.config.read(key)
+    jax.config.update(key, 1e9)
+    try:
+        pal = Engine(cfg, EngineArgs(**ARGS, kernels="pallas"), params=tiny_params, progress=False)
+    finally:
+        jax.config.update(key, before)
+    return xla, pal
 
 
 def _run(engine, prompts, salt, n=3, **sp):
