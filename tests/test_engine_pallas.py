@@ -33,7 +33,7 @@ def engines(tiny, tiny_params):
     # once segfaulted inside XLA (`executable.serialize()`) in a test worker that had run other files first,
     # while the same compile + serialise passed in a fresh process.
     key = "jax_persistent_cache_min_compile_time_secs"
-    before = jax.config.read(key)
+    before = getattr(jax.config, key)
     jax.config.update(key, 1e9)
     try:
         pal = Engine(cfg, EngineArgs(**ARGS, kernels="pallas"), params=tiny_params, progress=False)
