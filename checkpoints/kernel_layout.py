@@ -9,7 +9,7 @@ bk/2 k values in order and the hi plane the last bk/2, so x needs no permutation
 alternative layout (the decoder reads e4m3 bytes as stored; scales stay [N/32, K/32]).
 
     to_tiled_mxfp4(packed [..., N, K/2] uint8, bk) -> tiled bytes (same shape)
-    to_official_mxfp4(tiled, bk) -> packed        (bit-exact inverse; tests/kernels/test_weight_layout.py)
+    to_official_mxfp4(tiled, bk) -> packed        (bit-exact inverse; tests/kernels/test_fp_decode_and_layout.py)
 
 Both are pure byte permutations (numpy on the host or jnp on a device, the same code): scales are unchanged.
 """
