@@ -38,7 +38,7 @@ TOOLS = [
 
 
 def dsml_block(name: str, args: dict) -> str:
-    """One call as a DSML block (serving/api/dsml.render_tool_calls' layout; tests check they agree)."""
+    """One call as a DSML block (the layout of serving.api.dsml.render_tool_calls; tests check they agree)."""
     params = []
     for k, v in args.items():
         s = isinstance(v, str)
