@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_result
+from bench.kernels.timing import wall_us
 from dsv41_jax.attention import candidate_block_ids, select_topk_entries
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.kv_cache import PageLayout
@@ -118,16 +117,6 @@ def cases(smoke: bool = False) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- runner
-def _time(fn, args, iters):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _numerics(got, want, blocks, visible, topk):
     got, want = np.asarray(got), np.asarray(want)
     fin = np.isfinite(want)
@@ -158,8 +147,8 @@ def main(argv=None):
         if a.only not in c["name"]:
             continue
         args = c["make_args"]()
-        tp = _time(c["fn_pallas"], args, a.iters)
-        tx = _time(c["fn_xla"], args, a.iters)
+        tp = wall_us(c["fn_pallas"], args, a.iters) * 1e-6
+        tx = wall_us(c["fn_xla"], args, a.iters) * 1e-6
         num = _numerics(c["fn_pallas"](*args), c["fn_xla"](*args), args[0].blocks, args[0].visible, topk)
         # the candidate-source rule on the full-scan output, so that it is compiled and exercised at full shape
         if "full" in c["name"]:
