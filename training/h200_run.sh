@@ -1,25 +1,51 @@
 #!/usr/bin/env bash
-# The default model's whole training run on one H200 (README "Retraining"): corpus, a throughput probe of the
-# curriculum's shapes (their compiled programs land in the persistent cache the run reuses), then the run,
-# which is cut to end MINUTES after this script starts. Extra arguments go to training.train_default.
-#   MINUTES=12 W=/tmp/dm bash training/h200_run.sh
-# The next session's one device call (probe 3 batch shapes with the blocked training attention, then train the
-# shipped model; run tool, carry [".wt/<worktree>"], timeout 600):
-#   cd .wt/<worktree> && set -o pipefail && MINUTES=9.5 W=/tmp/dm PROBE=2048x32,2048x64,8192x8 \
-#     bash training/h200_run.sh 2>&1 | tail -c 20000 > $OUT/log;
-#   cp /tmp/dm/probe/*.json /tmp/dm/run/*.json /tmp/dm/run/*.png $OUT/ 2>/dev/null || true
-# ATTENTION (default blocked, dsv41_jax/train_attention.py) picks the training attention of probe and run.
+# The default model's training run on one H200 (README "Retraining"), split over two device calls of <= 10
+# minutes on the same warm machine (the run tool's limit per call). Extra arguments go to training.train_default.
+#
+#   call 1: CALL=1 PAUSE_S=540 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
+#           builds the corpus (training.code_corpus) in the background while the step programs compile (into
+#           the persistent cache under $W), trains until PAUSE_S seconds after the script started, writes the
+#           resumable checkpoint ($W/run/ckpt.pkl) and a copy of the masters split into $OUT (<= 15 MB a file),
+#           in case the machine is not the same for call 2.
+#   call 2: CALL=2 LEFT_MIN=9.3 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
+#           resumes the same schedule (MINUTES of training in all), cut to end LEFT_MIN minutes after it starts
+#           (export and evaluation included), and leaves $OUT/default_model.tar.part-* (the exported HF checkpoint,
+#           training.json, loss_curve.png; split in parts of <= 15 MB). When $W is gone (a fresh machine), it rebuilds the corpus and resumes
+#           from the masters carried back in .dm/ (masters.pkl.part-*) with a fresh optimizer state.
+# One call (no split): CALL=0 MINUTES=9 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh
+# ATTENTION (default blocked, dsv41_jax/train_attention.py) picks the training attention.
 set -euo pipefail
+T0=$(date +%s)
 W=${W:-/tmp/dm}
-MINUTES=${MINUTES:-12}
-END=$(( $(date +%s) + ${MINUTES%.*} * 60 ))
-mkdir -p "$W"
-rm -f "$W/DONE"
-trap 'touch "$W/DONE"' EXIT
+CALL=${CALL:-0}
+MINUTES=${MINUTES:-14.5}
+OUT=${OUT:-$W/out}
+mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m training.code_corpus --out "$W/corpus"
-python3 -m training.train_default --corpus "$W/corpus" --out "$W/probe" --cache-dir "$W/jax_cache" \
-    --probe "${PROBE:-2048x32,8192x8}" --probe-steps 8 --attention "${ATTENTION:-blocked}"
-LEFT=$(python3 -c "import time; print(round(($END - time.time()) / 60, 2))")
-python3 -m training.train_default --corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" \
-    --total-minutes "$LEFT" --minutes "$LEFT" --attention "${ATTENTION:-blocked}" "$@"
+COMMON=(--corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" --attention "${ATTENTION:-blocked}")
+
+if [ "$CALL" = 1 ]; then
+  python3 -m training.code_corpus --out "$W/corpus" ${CORPUS_ARGS:-} > "$W/corpus.log" 2>&1 &
+  CORPUS_PID=$!
+  python3 -m training.train_default "${COMMON[@]}" --wait-corpus 400 --minutes "$MINUTES" --total-minutes 1000 \
+      --pause-at $(( T0 + ${PAUSE_S:-540} )) "$@"
+  wait "$CORPUS_PID"
+  tail -n 3 "$W/corpus.log"
+  split -b 15000000 -d "$W/run/masters.pkl" "$OUT/masters.pkl.part-"
+  ls -la "$OUT"
+  exit 0
+fi
+
+if [ "$CALL" = 2 ] && [ ! -f "$W/run/ckpt.pkl" ]; then
+  echo "no checkpoint in $W/run: a fresh machine; resuming from the masters in .dm/"
+  mkdir -p "$W/run"
+  cat .dm/masters.pkl.part-* > "$W/run/masters.pkl"
+fi
+RESUME=()
+[ "$CALL" = 2 ] && RESUME=(--resume)
+LEFT=$(python3 -c "import time; print(round(${LEFT_MIN:-9.3} - (time.time() - $T0) / 60, 2))")
+python3 -m training.train_default "${COMMON[@]}" "${RESUME[@]}" --minutes "$MINUTES" --total-minutes "$LEFT" \
+    --reserve 75 "$@"
+tar -C "$W/run" -cf "$W/default_model.tar" --exclude ckpt.pkl --exclude masters.pkl --exclude '*.tmp' .
+split -b 15000000 -d "$W/default_model.tar" "$OUT/default_model.tar.part-"  # <= 15 MB a returned file
+ls -la "$OUT"

@@ -99,7 +99,15 @@ def parse(argv=None):
     ap.add_argument("--eval-len", type=int, default=2048, help="window of the validation / held-out scoring")
     ap.add_argument("--max-eval-tokens", type=int, default=1_500_000, help="held-out tokens scored per file")
     ap.add_argument("--ckpt-every", type=float, default=120.0, help="seconds between resumable checkpoints")
-    ap.add_argument("--resume", action="store_true", help="continue from --out/ckpt.pkl")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from --out/ckpt.pkl (or, without it, from the masters of --out/masters.pkl with a "
+                         "fresh optimizer state)")
+    ap.add_argument("--pause-at", type=float, default=0.0,
+                    help="unix time: stop the training loop there, write the checkpoint (and masters.pkl) and exit "
+                         "without export; `--resume` continues the same schedule (a run split over two device calls)")
+    ap.add_argument("--wait-corpus", type=float, default=0.0,
+                    help="seconds to wait for --corpus/manifest.json written by another process (the programs are "
+                         "compiled meanwhile); 0: build it here when missing")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: budget)")
     ap.add_argument("--log-every", type=int, default=50, help="read and print the step metrics every N steps")
     ap.add_argument("--tokenizer-only", action="store_true", help="train the tokenizer into --tokenizer and exit")
@@ -174,6 +182,16 @@ class Run:
         self.compiled[shape] = self.step_fn.lower(self.masters, self.opt_state, *ex, jnp.float32(0)).compile()
         self.compile_s[f"{t}x{b}"] = round(time.perf_counter() - t0, 1)
 
+    def compile_all(self, hasher, shapes, extra=()):
+        """Compile the step for every shape, plus the `extra` thunks, in concurrent threads (XLA compiles with
+        the GIL released; the persistent cache serves a second run)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = [lambda sh=sh: self.compile(hasher, sh) for sh in dict.fromkeys(shapes)] + list(extra)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            for f in [pool.submit(j) for j in jobs]:
+                f.result()
+
     def step(self, shape, batch, lr):
         self.masters, self.opt_state, met = self.compiled[shape](self.masters, self.opt_state, *batch,
                                                                  jnp.float32(lr))
@@ -186,12 +204,21 @@ class Run:
                          **extra}, f)
         os.replace(tmp, path)
 
+    def save_masters(self, path: Path, extra: dict):
+        """The masters alone (a third of the checkpoint): small enough to carry between machines."""
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump({"masters": jax.device_get(self.masters), **extra}, f)
+        os.replace(tmp, path)
+
     def load(self, path: Path) -> dict:
+        """Restore a checkpoint; one without "opt_state" (masters.pkl) keeps the fresh optimizer state."""
         with open(path, "rb") as f:
             d = pickle.load(f)
         put = lambda tree, like: jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)  # noqa: E731
         self.masters = put(d.pop("masters"), self.masters)
-        self.opt_state = put(d.pop("opt_state"), self.opt_state)
+        if "opt_state" in d:
+            self.opt_state = put(d.pop("opt_state"), self.opt_state)
         return d
 
 
@@ -260,6 +287,29 @@ def plot(curve, path: Path, title: str):
     plt.close(fig)
 
 
+def wait_for_corpus(a) -> dict:
+    """The manifest of a corpus another process is writing (h200_run.sh builds it beside the compiles)."""
+    path, t0 = Path(a.corpus) / "manifest.json", time.perf_counter()
+    while not path.exists():
+        if time.perf_counter() - t0 > a.wait_corpus:
+            raise TimeoutError(f"no {path} after {a.wait_corpus:.0f} s")
+        time.sleep(1.0)
+    return json.loads(path.read_text())
+
+
+def _compile(a, cfg, h, mesh, hasher, phases, vwin):
+    """The run state and every compiled program (the phases' steps and the eval program), concurrently."""
+    t0 = time.perf_counter()
+    run = Run(cfg, h, mesh, a.seed)
+    evals = Evaluator(cfg, hasher, mesh, batch=8 * mesh.size, length=a.eval_len)
+    if vwin is None:
+        vwin = np.random.default_rng(0).integers(0, cfg.vocab_size, (evals.batch, a.eval_len + 1), dtype=np.int32)
+    run.compile_all(hasher, [sh for sh, _ in phases], [lambda: evals.nll(run.export(run.masters), vwin[: evals.batch])])
+    compile_s = time.perf_counter() - t0
+    print(f"compiled {run.compile_s} + eval in {compile_s:.1f} s", flush=True)
+    return run, evals, compile_s
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     a = parse(argv)
@@ -278,36 +328,36 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if a.smoke and a.corpus == parse([]).corpus:
         a.corpus = str(out / "corpus")
-    manifest = ensure_corpus(a)
-    corpus_s = time.perf_counter() - t_all
     cfg = model_config()
     tok = corpus.load_tokenizer(a.tokenizer)
     assert tok.get_vocab_size() == cfg.vocab_size, "tokenizer and model vocabulary differ"
     hasher = EngramHasher(cfg)
     mesh = D.data_mesh()
+    h = T.Hyper(peak_lr=a.peak_lr, aux_stride=a.aux_stride, attention=a.attention)
+    phases = _phases(a.phases)
+    run = evals = None
+    if a.wait_corpus and not a.probe:
+        # another process builds the corpus: compile meanwhile (the eval program on a window of random ids)
+        run, evals, compile_s = _compile(a, cfg, h, mesh, hasher, phases, None)
+    manifest = wait_for_corpus(a) if a.wait_corpus else ensure_corpus(a)
+    corpus_s = time.perf_counter() - t_all
     train, valid, held = (D.TokenFile(a.corpus, s) for s in ("train", "valid", "heldout"))
     print(f"corpus: train {len(train):,} tokens ({len(train.starts):,} documents), valid {len(valid):,}, held-out "
           f"{len(held):,}; ready in {corpus_s:.0f} s; mesh {mesh.size} x {jax.devices()[0].device_kind}", flush=True)
-    h = T.Hyper(peak_lr=a.peak_lr, aux_stride=a.aux_stride, attention=a.attention)
     if a.probe:
         return probe(a, cfg, h, mesh, hasher, train)
 
-    phases = _phases(a.phases)
-    run = Run(cfg, h, mesh, a.seed)
-    t0 = time.perf_counter()
-    for shape, _ in phases:
-        run.compile(hasher, shape)
-    evals = Evaluator(cfg, hasher, mesh, batch=8 * mesh.size, length=a.eval_len)
     vwin = corpus.windows(valid.tokens.astype(np.int32), a.eval_len + 1, limit=32 if not a.smoke else 2)
-    evals.nll(run.export(run.masters), vwin[: evals.batch])  # compiles the eval program before the clock starts
-    compile_s = time.perf_counter() - t0
-    print(f"compiled {run.compile_s} + eval in {compile_s:.1f} s", flush=True)
+    if run is None:
+        run, evals, compile_s = _compile(a, cfg, h, mesh, hasher, phases, vwin)
 
     ckpt = out / "ckpt.pkl"
+    phase_stats = {}
     step, seen, elapsed0, curve, best = 0, 0, 0.0, [], (math.inf, None, 0)
-    if a.resume and ckpt.exists():
-        st = run.load(ckpt)
+    if a.resume and (ckpt.exists() or (out / "masters.pkl").exists()):
+        st = run.load(ckpt if ckpt.exists() else out / "masters.pkl")
         step, seen, elapsed0, curve = st["step"], st["seen"], st["elapsed"], st["curve"]
+        phase_stats.update(st.get("phases", {}))
         print(f"resumed at step {step} ({seen:,} tokens, {elapsed0:.0f} s trained)")
     left = a.total_minutes * 60.0 - (time.perf_counter() - t_all) - a.reserve
     budget = max(min(a.minutes * 60.0, left + elapsed0), 10.0)
@@ -315,7 +365,6 @@ def main(argv=None):
         print(f"training budget cut to {budget:.0f} s to finish within --total-minutes {a.total_minutes}")
     bounds = np.cumsum([x for _, x in phases])
     metrics, pending, phase_i, pf = {}, [], -1, None
-    phase_stats = {}
     t_start = time.perf_counter() - elapsed0
     last_eval, last_ckpt = -math.inf, time.perf_counter()
     bar = tqdm(total=int(budget), initial=int(elapsed0), unit="s", desc="train", mininterval=2.0, disable=a.smoke)
@@ -326,10 +375,14 @@ def main(argv=None):
                       "valid": None if vl is None else round(vl, 4),
                       "indexer_kl": round(metrics["indexer_kl"], 4) if "indexer_kl" in metrics else None})
 
+    paused = False
     while True:
         el = time.perf_counter() - t_start
         frac = step / a.steps if a.steps else el / budget
         if frac >= 1.0:
+            break
+        if a.pause_at and time.time() >= a.pause_at:
+            paused = True
             break
         i = int(min(np.searchsorted(bounds, frac, side="right"), len(phases) - 1))
         if i != phase_i:
@@ -367,14 +420,23 @@ def main(argv=None):
                 best = (vl, jax.tree.map(jnp.copy, run.masters), step)
         if now - last_ckpt >= a.ckpt_every:
             last_ckpt = now
-            run.save(ckpt, {"step": step, "seen": seen, "elapsed": now - t_start, "curve": curve})
+            run.save(ckpt, {"step": step, "seen": seen, "elapsed": now - t_start, "curve": curve,
+                            "phases": phase_stats})
     jax.block_until_ready(run.masters)
-    ps["seconds"] = round(ps["seconds"] + time.perf_counter() - t_phase, 2)
+    if pf is not None:  # None when paused before this call's first step
+        ps["seconds"] = round(ps["seconds"] + time.perf_counter() - t_phase, 2)
+        pf.close()
     if pending:
         metrics = {k: float(v) for k, v in jax.device_get(pending[-1]).items()}
-    pf.close()
     bar.close()
     train_s = time.perf_counter() - t_start
+    if paused:  # a split run: checkpoint and stop; `--resume` continues the same schedule
+        st = {"step": step, "seen": seen, "elapsed": train_s, "curve": curve, "phases": phase_stats}
+        run.save(ckpt, st)
+        run.save_masters(out / "masters.pkl", st)
+        print(f"paused at step {step} ({seen:,} tokens, {train_s:.0f} of {budget:.0f} s trained); "
+              f"continue with --resume", flush=True)
+        return {"paused": True, "step": step, "seen": seen}
     vl = float(np.mean(evals.nll(run.export(run.masters), vwin)))
     record(train_s, vl)
     if vl <= best[0] or best[1] is None:
