@@ -31,7 +31,7 @@ from training import objective as T
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_TOL = 0.03
-MAX_BYTES = 16_000_000  # the issue's "at most 16 MB" for the checkpoint, read as decimal megabytes
+MAX_BYTES = 48_000_000  # issue 24: the package's model files <= 48 MB in all (decimal megabytes)
 
 
 @pytest.fixture(scope="module")

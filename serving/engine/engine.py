@@ -37,6 +37,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -163,10 +164,12 @@ class Engine:
         self.args = args if known is not None else args.resolved(cfg)  # known: cfg read without its weights
         if mesh is None:
             mesh = make_mesh(self.args)
-        if tokenizer is None:
-            from serving.tokenizer import ByteTokenizer
+        if tokenizer is None:  # the checkpoint's own tokenizer when it has one (as vLLM), else bytes
+            from serving.tokenizer import ByteTokenizer, load_tokenizer
 
-            tokenizer = ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 256 else None
+            has_own = isinstance(model, (str, os.PathLike)) and (Path(model) / "tokenizer.json").is_file()
+            tokenizer = load_tokenizer(str(model), cfg.vocab_size) if has_own else \
+                ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 256 else None
         self.tokenizer = tokenizer
         eos = set(self.args.eos_token_ids)
         if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -41,7 +41,7 @@ class LLM:
             prompts)
         ids, results = [], {}
         for p, sp in zip(prompts, sps):
-            toks = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            toks = self.tokenizer.encode(p, add_bos=True) if isinstance(p, str) else list(p)  # as vLLM: specials
             rid = f"llm-{self._n}"
             self._n += 1
             results[rid] = {"prompt": toks, "ids": [], "lps": [], "text": "", "reason": None, "cached": 0}
