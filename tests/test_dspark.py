@@ -22,6 +22,11 @@ from dsv41_jax.params import init_params
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_write = jax.jit(dspark.write_context, static_argnums=0)
+_propose = jax.jit(dspark.propose, static_argnums=0)
+_dense = jax.jit(dspark.propose_dense, static_argnums=0)
+
+
 @pytest.fixture(scope="module")
 def f32():
     """tiny in f32 compute (the ring path and the dense reference then differ only by summation order)."""
@@ -36,14 +41,14 @@ def _features(cfg, B, n, seed):
 
 def test_write_context_keeps_latest_valid_rows(f32):
     cfg, params = f32
-    B, W = 2, cfg.window_size
+    B, W, N = 2, cfg.window_size, 20
     n = W + 5  # wraps the ring
-    x = _features(cfg, B, n, 0)
-    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
-    valid = jnp.ones((B, n), bool).at[1, n - 3:].set(False)  # row 1: its last 3 rows are rejected
+    x = _features(cfg, B, N, 0)
+    pos = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    valid = (pos < n).at[1, n - 3:].set(False)  # row 1: its last 3 rows are rejected
     x = x.at[1, n - 3:].set(jnp.nan)  # poison: a rejected row must never reach the ring
-    rings = dspark.write_context(cfg, params, dspark.DraftRings.init(cfg, B), x, pos, valid)
-    ctx = np.asarray(dspark.context_kv(cfg, params, x, pos))  # [S, B, n, d]
+    rings = _write(cfg, params, dspark.DraftRings.init(cfg, B), x, pos, valid)
+    ctx = np.asarray(jax.jit(dspark.context_kv, static_argnums=0)(cfg, params, x, pos))  # [S, B, N, d]
     assert np.isfinite(np.asarray(rings.kv)).all()
     for b, last in ((0, n - 1), (1, n - 4)):
         want = np.arange(last - W + 1, last + 1)
@@ -51,45 +56,42 @@ def test_write_context_keeps_latest_valid_rows(f32):
         assert sorted(got) == list(want) and all(got[p % W] == p for p in want)
         for p in want:
             np.testing.assert_array_equal(np.asarray(rings.kv[:, b, p % W]), ctx[:, b, p])
-    # a later write of fewer rows replaces only their slots; invalid rows leave the ring untouched
-    again = dspark.write_context(cfg, params, rings, x[:, :2], pos[:, :2] + n, jnp.array([[True, False]] * B))
+    # a later write replaces only the slots of its valid rows
+    again = _write(cfg, params, rings, x, pos + n, pos == 0)
     assert int(again.pos[0, n % W]) == n and int(again.pos[0, (n + 1) % W]) == int(rings.pos[0, (n + 1) % W])
     sub = again.take(jnp.array([1]))
     back = again.clear(jnp.array([0])).put(jnp.array([0]), sub)
     np.testing.assert_array_equal(np.asarray(back.pos[0]), np.asarray(again.pos[1]))
 
 
-@pytest.mark.parametrize("n", [5, 20])  # ring still filling / wrapped
+@pytest.mark.parametrize("n", [5, 20])  # ring still filling / wrapped (one shape: rows past n are not valid)
 def test_propose_matches_dense_reference(f32, n):
     cfg, params = f32
-    B = 2
-    x = _features(cfg, B, n, n)
-    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
-    valid = jnp.ones((B, n), bool)
-    rings = dspark.write_context(cfg, params, dspark.DraftRings.init(cfg, B), x, pos, valid)
+    B, N = 2, 20
+    x = _features(cfg, B, N, n)
+    pos = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    valid = pos < n
+    rings = _write(cfg, params, dspark.DraftRings.init(cfg, B), x, pos, valid)
     anchor = jnp.array([7, 300], jnp.int32)
     at = jnp.full((B,), n, jnp.int32)
     key = jax.random.key(1)
-    got = jax.jit(dspark.propose, static_argnums=0)(cfg, params, rings, anchor, at, key, jnp.zeros(B))
-    ref = dspark.propose_dense(cfg, params, x, pos, valid, anchor, at, key, jnp.zeros(B))
+    got = _propose(cfg, params, rings, anchor, at, key, jnp.zeros(B))
+    ref = _dense(cfg, params, x, pos, valid, anchor, at, key, jnp.zeros(B))
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(got.confidence), np.asarray(ref.confidence), rtol=2e-4, atol=2e-4)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    # greedy: each token is the argmax of its logits, and the Markov bias of position i uses token i-1
+    # greedy: each token is the argmax of its logits (one-hot probabilities), and position i's Markov bias is
+    # that of token i-1 (the anchor at i = 0)
     lg = np.asarray(got.logits)
     np.testing.assert_array_equal(np.asarray(got.tokens), lg.argmax(-1))
     np.testing.assert_array_equal(np.asarray(got.probs), np.eye(cfg.vocab_size)[lg.argmax(-1)])
     prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(got.tokens)[:, :-1]], 1)
-    bias, _ = dspark.markov(cfg, params, jnp.asarray(prev))
-    _, base = dspark.block_logits(cfg, params, dspark.block_tokens(cfg, anchor, cfg.dspark_block_size),
-                                  at[:, None] + jnp.arange(cfg.dspark_block_size)[None],
-                                  dspark.attend_windowed(cfg, dspark.context_kv(cfg, params, x, pos), pos, valid,
-                                                         at[:, None]))
-    np.testing.assert_allclose(lg, np.asarray(base + bias), rtol=2e-4, atol=2e-4)
-    # a stale slot (a position at or after the anchor) is ignored
-    stale = dspark.DraftRings(rings.kv, rings.pos.at[:, 0].set(n + 3))
-    if n > cfg.window_size:
-        moved = dspark.propose(cfg, params, stale, anchor, at, key, jnp.zeros(B))
+    bias = np.asarray(dspark.markov(cfg, params, jnp.asarray(prev))[0])
+    nobias = np.asarray(_dense(cfg, params, x, pos, valid, anchor, at, key, jnp.zeros(B)).logits) - bias
+    assert np.abs(nobias - nobias[:, :, :1]).max() > 0  # the bias is not a constant shift
+    if n > cfg.window_size:  # a stale slot (a position at or after the anchor) is ignored
+        stale = dspark.DraftRings(rings.kv, rings.pos.at[:, 0].set(n + 3))
+        moved = _propose(cfg, params, stale, anchor, at, key, jnp.zeros(B))
         assert not np.allclose(np.asarray(moved.logits), lg)  # slot 0 held a real context position before
 
 
@@ -127,10 +129,10 @@ def test_step_features(tiny):
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     ids = paths.engram_ids(cfg, toks)
     st = model.init_state(cfg, B, 64)
-    full = model.step(cfg, params, st, model.ChunkInputs.make(toks, ids), fresh=True, n_dec=T, n_logits=1,
-                      features=True)
-    assert model.step(cfg, params, st, model.ChunkInputs.make(toks, ids), fresh=True, n_dec=T,
-                      n_logits=1).features is None
+    kw = dict(fresh=True, n_dec=T, n_logits=1)
+    full = model.step(cfg, params, st, model.ChunkInputs.make(toks, ids), features=True, **kw)
+    plain = jax.eval_shape(lambda: model.step_impl(cfg, params, st, model.ChunkInputs.make(toks, ids), **kw))
+    assert plain.features is None  # nothing computed unless asked
     f = full.features
     assert f.x.shape == (B, T, 3 * cfg.dim) and np.isfinite(np.asarray(f.x, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(f.pos), np.broadcast_to(np.arange(T), (B, T)))
@@ -143,20 +145,20 @@ def test_step_features(tiny):
         # layer 3 is in the encoder band, which CED does not change: identical to the full forward's rows
         np.testing.assert_array_equal(np.asarray(ced.x[b, :, :cfg.dim]), np.asarray(f.x[b, n - 4:n, :cfg.dim]))
     assert bool(ced.valid.all())
-    # decode: the features of one new row equal the full forward's at that position (exact decoder)
-    pf = model.step(cfg, params, st, model.ChunkInputs.make(toks[:, :T - 1], paths.engram_ids(cfg, toks[:, :T - 1])),
-                    fresh=True, n_dec=T - 1, n_logits=1)
-    hist = paths.engram_ids(cfg, toks)[:, T - 1:]
-    dec = model.step(cfg, params, pf.state, model.ChunkInputs.make(toks[:, T - 1:], hist, pos0=T - 1), fresh=False,
-                     n_dec=1, n_logits=1, features=True).features
+    # decode: the features of one new row equal the full forward's at that position (the exact decoder); the
+    # prefill is the same program as `full`, its last row padding
+    pf = model.step(cfg, params, st, model.ChunkInputs.make(toks, ids, n_valid=T - 1), features=True, **kw)
+    assert not bool(pf.features.valid[0, -1]) and bool(pf.features.valid[0, -2])
+    dec = model.step(cfg, params, pf.state, model.ChunkInputs.make(toks[:, T - 1:], ids[:, T - 1:], pos0=T - 1),
+                     fresh=False, n_dec=1, n_logits=1, features=True).features
     np.testing.assert_allclose(np.asarray(dec.x[:, 0], np.float32), np.asarray(f.x[:, T - 1], np.float32),
                                rtol=2e-2, atol=2e-2)
     assert int(dec.pos[0, 0]) == T - 1
 
 
 def test_checkpoint_names():
-    full = [s.name for s in stored_tensors(ModelConfig.preset("full"))]
-    mtp = [n for n in full if n.startswith("mtp.")]
+    shapes = {s.name: s.shape for s in stored_tensors(ModelConfig.preset("full")) if s.name.startswith("mtp.")}
+    mtp = list(shapes)
     assert sum(n.endswith(".ffn.experts.0.w1.weight") for n in mtp) == 3
     assert sum(".ffn.experts." in n and n.endswith(".w2.weight") for n in mtp) == 3 * 128
     for n in ("mtp.0.main_proj.weight", "mtp.0.main_proj.scale", "mtp.0.main_norm.weight", "mtp.2.norm.weight",
@@ -164,7 +166,6 @@ def test_checkpoint_names():
               "mtp.2.confidence_head.proj.weight", "mtp.1.attn.wkv.scale", "mtp.1.hc_ffn_fn"):
         assert n in mtp, n
     assert "mtp.0.norm.weight" not in mtp and "mtp.2.main_proj.weight" not in mtp
-    shapes = {s.name: s.shape for s in stored_tensors(ModelConfig.preset("full"))}
     assert shapes["mtp.0.main_proj.weight"] == (5120, 3 * 5120)
     assert shapes["mtp.2.markov_head.embed.weight"] == (129280, 256)
     assert shapes["mtp.2.confidence_head.proj.weight"] == (1, 5120 + 256)
