@@ -116,13 +116,12 @@ def _block_tensors(cfg: ModelConfig, s: tuple, ls: tuple, E: int) -> dict[tuple,
 
 def draft_tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
     """The DSpark draft's tensors under ("mtp", ...) (empty without a draft; see dsv41_jax.dspark). The draft is
-    small and replicated: its tensors carry no logical axes."""
+    small and replicated: every axis of its tensors is None (no sharding rule applies)."""
     if not cfg.has_draft:
         return {}
     D, V, r, S = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank, cfg.n_mtp_layers
     nt = len(cfg.dspark_target_layer_ids)
-    t = {("mtp", "layers", *k): replace(v, axes=())
-         for k, v in _block_tensors(cfg, (S,), ("mtp_layers",), cfg.draft_experts[0]).items()}
+    t = {("mtp", "layers", *k): v for k, v in _block_tensors(cfg, (S,), ("mtp_layers",), cfg.draft_experts[0]).items()}
     t.update({
         ("mtp", "main_proj"): _lin((), D, nt * D, ()),
         ("mtp", "main_norm", "weight"): Tensor((D,), init="ones", std=0.1),
@@ -131,7 +130,7 @@ def draft_tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
         ("mtp", "markov_head", "head", "weight"): Tensor((V, r), dtype=F32, std=r ** -0.5),
         ("mtp", "confidence_head", "proj", "weight"): Tensor((1, D + r), dtype=F32, std=(D + r) ** -0.5),
     })
-    return t
+    return {k: replace(v, axes=(None,) * len(v.shape)) for k, v in t.items()}
 
 
 def tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
@@ -241,7 +240,7 @@ def _init_tensor(cfg, key, t: Tensor, path) -> dict:
         v = (jnp.asarray(t.std, gen) * jax.random.normal(key, t.shape, gen)).astype(gen)
     if path[-1] == "wo_a" and fp8:  # stored FP8 in the checkpoint, run in bf16: keep it FP8-representable
         v = quant.dequantize_weight_fp8(*quant.quantize_weight_fp8(v), F32)
-    if t.fmt == "dense" and t.dtype == F32 and (path[0] in ("head", "src_r1", "src_r2") or path[:2] in _BF16_STORED):
+    if t.fmt == "dense" and t.dtype == F32 and (path[0] in ("head", "src_r1", "src_r2") or path[:2] in BF16_STORED):
         v = v.astype(BF16)  # the checkpoint stores these in bf16
     if t.fmt == "lin" and fp8:
         w, s = quant.quantize_weight_fp8(v)
@@ -257,7 +256,7 @@ def _init_tensor(cfg, key, t: Tensor, path) -> dict:
     return {path: v.astype(t.dtype)}
 
 
-_BF16_STORED = {("mtp", "markov_head"), ("mtp", "confidence_head")}  # f32 in the model, bf16 in the checkpoint
+BF16_STORED = {("mtp", "markov_head"), ("mtp", "confidence_head")}  # f32 in the model, bf16 in the checkpoint
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
