@@ -58,6 +58,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.rope import apply_rope, layer_freqs
 
 F32 = jnp.float32
+MASKED = -1e30  # the dense paths' masked score: finite, so no inf - inf reaches a gradient
 
 
 def _pytree(cls):
@@ -276,7 +277,7 @@ def propose(cfg: ModelConfig, params, rings: DraftRings, anchor, pos, key, tempe
 def dense_attention(q, keys, valid, sink, scale):
     """Plain f32 softmax with the sink: q [..., H, d], keys [..., K, d], valid [..., K] -> [..., H, d]."""
     s = jnp.einsum("...hd,...kd->...hk", q.astype(F32), keys.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    s = jnp.where(valid[..., None, :], s * scale, -jnp.inf)
+    s = jnp.where(valid[..., None, :], s * scale, MASKED)
     m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sink.astype(F32)[:, None])
     p = jnp.exp(s - m)
     den = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(F32)[:, None] - m)
@@ -300,7 +301,7 @@ def attend_windowed(cfg: ModelConfig, ctx_kv, ctx_pos, ctx_valid, anchor_pos):
         k, H, d = q.shape[1:]
         qq = q.reshape(B, N, k, H, d).astype(F32)
         sc = jnp.einsum("bnqhd,btd->bnqht", qq, ctx_kv[s].astype(F32), precision=jax.lax.Precision.HIGHEST)
-        sc = jnp.where(vis[:, :, None, None], sc * scale, -jnp.inf)
+        sc = jnp.where(vis[:, :, None, None], sc * scale, MASKED)
         kb = kv.reshape(B, N, k, d).astype(F32)
         sb = jnp.einsum("bnqhd,bnjd->bnqhj", qq, kb, precision=jax.lax.Precision.HIGHEST) * scale
         m = jnp.maximum(jnp.maximum(jnp.max(sc, -1), jnp.max(sb, -1)), sink.astype(F32))[..., None]
