@@ -176,7 +176,7 @@ def make_step(cfg, h: T.Hyper, tx):
         masters = optax.apply_updates(masters, jax.tree.map(lambda u: -lr * u, upd))
         gate = masters["layers"]["ffn"]["gate"]
         gate["bias"] = gate["bias"] - h.bias_gamma * jnp.sign(gb)
-        return masters, opt_state, dict(met, loss=loss, grad_norm=optax.tree.norm(grads))
+        return masters, opt_state, dict(met, loss=loss, grad_norm=optax.global_norm(grads))
 
     return step
 
