@@ -86,7 +86,7 @@ def parse(argv=None):
     ap.add_argument("--corpus", default=str(REPO / "runs" / "corpus"), help="training.code_corpus output")
     ap.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR), help="for building the corpus when missing")
     ap.add_argument("--total-minutes", type=float, default=3.0, help="the whole run, compiles and export included")
-    ap.add_argument("--reserve", type=float, default=50.0, help="seconds kept for evaluation and export")
+    ap.add_argument("--reserve", type=float, default=70.0, help="seconds kept for evaluation and export")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--anchors", type=int, default=128, help="draft blocks per window per step")
