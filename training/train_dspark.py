@@ -2,6 +2,7 @@
 
     python -m training.train_dspark --smoke --out /tmp/dspark_smoke                  # CPU: the whole pipeline, tiny
     python -m training.train_dspark --corpus /tmp/corpus --out /tmp/dspark --install  # one H200: <= 3 minutes
+    python -m training.train_dspark --install-from /tmp/dspark/hf                    # install a finished run
 
 The backbone is whatever dsv41_jax/default_model holds at run time (`--backbone`; a draft already there is
 dropped and retrained). The draft (`draft_config`): 2 stages, 4 routed experts (top-2) + the shared one per stage,
@@ -102,6 +103,8 @@ def parse(argv=None):
     ap.add_argument("--eval", default="4x128,8x16",
                     help="acceptance settings ROUNDSxNEW,...: ROUNDS batches of held-out prompts, NEW tokens each")
     ap.add_argument("--install", action="store_true", help="write the trained draft into --backbone")
+    ap.add_argument("--install-from", default="", metavar="HF_DIR",
+                    help="only install: copy a finished run's hf/ (and its ../dspark.json) into --backbone, then exit")
     ap.add_argument("--results", default="", help="also write the measured acceptance to this results JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=str(REPO / "runs" / "jax_cache"), help="compilation cache ('none': off)")
@@ -272,6 +275,13 @@ def _commit() -> str:
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     a = parse(argv)
+    if a.install_from:  # e.g. the files of a GPU run brought back: no training
+        hf = Path(a.install_from)
+        install(hf, Path(a.backbone))
+        if (hf.parent / "dspark.json").exists():
+            shutil.copy2(hf.parent / "dspark.json", Path(a.backbone) / "dspark.json")
+        print(f"installed {hf} into {a.backbone}")
+        return None
     t_all = time.perf_counter()
     if a.cache_dir and a.cache_dir.lower() != "none":
         jax.config.update("jax_compilation_cache_dir", a.cache_dir)
