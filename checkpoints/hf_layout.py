@@ -12,8 +12,9 @@ of one of our stacked leaves. `checkpoint_entries(cfg)` lists them with their st
 
 A checkpoint without ``quantization_config`` (what `make_hf` writes for weight_format "bf16") has the same
 names with every FP8/FP4 weight stored as BF16 [out, in] and no ``.scale`` tensors. `stored_tensors(cfg,
-quantized)` is the complete list of what a checkpoint must hold; names under `IGNORED_PREFIXES` (DSpark,
-vision) and the gate's ``bias_vl`` (image tokens) are accepted and skipped.
+quantized)` is the complete list of what a checkpoint must hold, the DSpark draft's ``mtp.*`` tensors included
+when the config has a draft (`draft_entries`); names under `IGNORED_PREFIXES` (vision; ``mtp.`` when the config
+has no draft) and the gate's ``bias_vl`` (image tokens) are accepted and skipped.
 """
 
 from __future__ import annotations
@@ -50,10 +51,43 @@ def _ceil(a, b):
     return -(-a // b)
 
 
-def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
+def _attn_entries(cfg: ModelConfig, add, root: tuple):
+    """mHC, norms and the attention core (no compressor / indexer) of one block whose leaves sit under `root`."""
     D, H, d, qL = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
-    G, oL, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_inter_dim
+    G, oL = cfg.o_groups, cfg.o_lora_rank
     M, hcD = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * D
+    for sub in ("attn", "ffn"):
+        add(f"hc_{sub}_fn", root + (f"hc_{sub}_fn",), "dense", F32, (M, hcD))
+        add(f"hc_{sub}_base", root + (f"hc_{sub}_base",), "dense", F32, (M,))
+        add(f"hc_{sub}_scale", root + (f"hc_{sub}_scale",), "dense", F32, (3,))
+    add("attn_norm.weight", root + ("attn_norm",), "dense", BF16, (D,))
+    add("ffn_norm.weight", root + ("ffn_norm",), "dense", BF16, (D,))
+    a = root + ("attn",)
+    add("attn.attn_sink", a + ("attn_sink",), "dense", F32, (H,))
+    add("attn.wq_a.weight", a + ("wq_a",), "fp8", E4M3, (qL, D))
+    add("attn.q_norm.weight", a + ("q_norm",), "dense", BF16, (qL,))
+    add("attn.wq_b.weight", a + ("wq_b",), "fp8", E4M3, (H * d, qL))
+    add("attn.wkv.weight", a + ("wkv",), "fp8", E4M3, (d, D))
+    add("attn.kv_norm.weight", a + ("kv_norm",), "dense", BF16, (d,))
+    add("attn.wo_a.weight", a + ("wo_a",), "fp8_to_bf16", E4M3, (G * oL, H * d // G))
+    add("attn.wo_b.weight", a + ("wo_b",), "fp8", E4M3, (D, G * oL))
+
+
+def _ffn_entries(cfg: ModelConfig, add, root: tuple, E: int, ix: tuple):
+    """The MoE of one block (E routed experts, one shared) whose leaves sit under `root`, at stack index ix."""
+    D, I = cfg.dim, cfg.moe_inter_dim
+    f = root + ("ffn",)
+    add("ffn.gate.weight", f + ("gate", "weight"), "dense", BF16, (E, D))
+    add("ffn.gate.bias", f + ("gate", "bias"), "dense", F32, (E,))
+    for e in range(E):
+        for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+            add(f"ffn.experts.{e}.{w}.weight", f + ("experts", w), "fp4", I8, shp, ix + (e,))
+    for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+        add(f"ffn.shared_experts.{w}.weight", f + ("shared", w), "fp8", E4M3, shp)
+
+
+def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
+    D, d = cfg.dim, cfg.head_dim
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
     out = [Entry("embed.weight", ("embed", "weight"), (), "dense", BF16, (cfg.vocab_size, D)),
            Entry("norm.weight", ("norm", "weight"), (), "dense", BF16, (D,)),
@@ -68,21 +102,7 @@ def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
         def add(name, path, fmt, dtype, shape, index=ix):
             out.append(Entry(p + name, path, index, fmt, dtype, shape))
 
-        for sub in ("attn", "ffn"):
-            add(f"hc_{sub}_fn", ("layers", f"hc_{sub}_fn"), "dense", F32, (M, hcD))
-            add(f"hc_{sub}_base", ("layers", f"hc_{sub}_base"), "dense", F32, (M,))
-            add(f"hc_{sub}_scale", ("layers", f"hc_{sub}_scale"), "dense", F32, (3,))
-        add("attn_norm.weight", ("layers", "attn_norm"), "dense", BF16, (D,))
-        add("ffn_norm.weight", ("layers", "ffn_norm"), "dense", BF16, (D,))
-        a = ("layers", "attn")
-        add("attn.attn_sink", a + ("attn_sink",), "dense", F32, (H,))
-        add("attn.wq_a.weight", a + ("wq_a",), "fp8", E4M3, (qL, D))
-        add("attn.q_norm.weight", a + ("q_norm",), "dense", BF16, (qL,))
-        add("attn.wq_b.weight", a + ("wq_b",), "fp8", E4M3, (H * d, qL))
-        add("attn.wkv.weight", a + ("wkv",), "fp8", E4M3, (d, D))
-        add("attn.kv_norm.weight", a + ("kv_norm",), "dense", BF16, (d,))
-        add("attn.wo_a.weight", a + ("wo_a",), "fp8_to_bf16", E4M3, (G * oL, H * d // G))
-        add("attn.wo_b.weight", a + ("wo_b",), "fp8", E4M3, (D, G * oL))
+        _attn_entries(cfg, add, ("layers",))
         if l in slots:
             key, s = slots[l]
             si = (s,)
@@ -94,16 +114,9 @@ def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
                 add("attn.compressor.norm.weight", c + ("norm",), "dense", BF16, (d,), si)
                 add("attn.indexer.wk.weight", (key, "indexer", "wk"), "dense", BF16, (di, d), si)
                 add("attn.indexer.k_norm.weight", (key, "indexer", "k_norm"), "dense", BF16, (di,), si)
-            add("attn.indexer.wq_b.weight", (key, "indexer", "wq_b"), "fp8", E4M3, (Hi * di, qL), si)
+            add("attn.indexer.wq_b.weight", (key, "indexer", "wq_b"), "fp8", E4M3, (Hi * di, cfg.q_lora_rank), si)
             add("attn.indexer.weights_proj.weight", (key, "indexer", "weights_proj"), "dense", BF16, (Hi, D), si)
-        f = ("layers", "ffn")
-        add("ffn.gate.weight", f + ("gate", "weight"), "dense", BF16, (E, D))
-        add("ffn.gate.bias", f + ("gate", "bias"), "dense", F32, (E,))
-        for e in range(E):
-            for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
-                add(f"ffn.experts.{e}.{w}.weight", f + ("experts", w), "fp4", I8, shp, (l, e))
-        for w, shp in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
-            add(f"ffn.shared_experts.{w}.weight", f + ("shared", w), "fp8", E4M3, shp)
+        _ffn_entries(cfg, add, ("layers",), cfg.n_routed_experts, ix)
         if l in eng:
             i = eng[l]
             g = ("engram", i)
@@ -113,6 +126,38 @@ def checkpoint_entries(cfg: ModelConfig) -> list[Entry]:
             add("engram.embed.weight", g + ("embed",), "table", E4M3, (rows, lay.head_dim), ())
             add("engram.wkv.weight", g + ("wkv",), "fp8", E4M3, (D * (cfg.hc_mult + 1), lay.n_cols * lay.head_dim),
                 ())
+    return out + draft_entries(cfg)
+
+
+def draft_entries(cfg: ModelConfig) -> list[Entry]:
+    """The DSpark draft's ``mtp.{s}.*`` tensors (none without a draft): every stage a block as the backbone's
+    (no compressor / indexer / Engram, cfg.draft_experts routed experts); mtp.0 adds main_proj (FP8) and
+    main_norm, the last stage norm, markov_head.{embed, head} [V, rank] and confidence_head.proj [1, D + rank]
+    (BF16 in the checkpoint; the model holds the head and the confidence projection in f32). The reference
+    module also registers the shared embed / head under every stage (aliases): the checkpoint does not hold them."""
+    if not cfg.has_draft:
+        return []
+    D, V, r, S = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank, cfg.n_mtp_layers
+    out: list[Entry] = []
+    root = ("mtp", "layers")
+    for st in range(S):
+        p = f"mtp.{st}."
+
+        def add(name, path, fmt, dtype, shape, index=(st,)):
+            out.append(Entry(p + name, path, index, fmt, dtype, shape))
+
+        _attn_entries(cfg, add, root)
+        _ffn_entries(cfg, add, root, cfg.draft_experts[0], (st,))
+        if st == 0:
+            nt = len(cfg.dspark_target_layer_ids)
+            add("main_proj.weight", ("mtp", "main_proj"), "fp8", E4M3, (D, nt * D), ())
+            add("main_norm.weight", ("mtp", "main_norm", "weight"), "dense", BF16, (D,), ())
+        if st == S - 1:
+            add("norm.weight", ("mtp", "norm", "weight"), "dense", BF16, (D,), ())
+            add("markov_head.embed.weight", ("mtp", "markov_head", "embed", "weight"), "dense", BF16, (V, r), ())
+            add("markov_head.head.weight", ("mtp", "markov_head", "head", "weight"), "dense", BF16, (V, r), ())
+            add("confidence_head.proj.weight", ("mtp", "confidence_head", "proj", "weight"), "dense", BF16,
+                (1, D + r), ())
     return out
 
 

@@ -4,9 +4,11 @@
 (`from_hf_config` below maps the official config.json names onto them). Presets:
 
 - ``tiny``   CPU unit tests (seconds).
+Every preset has a DSpark draft (dsv41_jax.dspark): tiny 2 stages of 4 experts, small 2 of 16, medium 3 of 16,
+full the official 3 of 128 (top-3), all reading the inputs of the last three layers (tiny: 3, 5, 7).
 - ``small``  ~240M parameters, GPU smoke runs.
 - ``medium`` the real V4.1-Flash per-layer shapes and all 40 layers, 16 routed experts, small Engram
-             tables, bf16 weights (fits one H200).
+             tables, bf16 weights (fits one H200); its 3-stage DSpark draft has 16 experts per stage.
 - ``full``   exact V4.1-Flash; for shapes, parameter and KV accounting.
 
 Runtime switches that are not part of the checkpoint: ``qdq`` (all quantize-dequantize points on/off),
@@ -82,7 +84,7 @@ class ModelConfig:
     engram_head_dim: int = 32
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 512
-    # DSpark draft (read from config.json for fidelity; not implemented by this model)
+    # DSpark draft (dsv41_jax.dspark): n_mtp_layers stages after the backbone; 0 stages or block 0 = no draft
     n_mtp_layers: int = 0
     dspark_block_size: int = 0
     dspark_noise_token_id: int = 0
@@ -133,6 +135,17 @@ class ModelConfig:
         """Decoder rows that reproduce the full forward at the last position: W + (L_dec-1)(W-1)."""
         w = self.window_size
         return w + max(self.n_decoder_layers - 1, 0) * (w - 1)
+
+    @property
+    def has_draft(self) -> bool:
+        """The config has a DSpark draft (the reference builds it iff dspark_block_size > 0)."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    @property
+    def draft_experts(self) -> tuple[int, int]:
+        """(routed, activated) experts of the draft stages (the reference's get_moe_config)."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
 
     @property
     def engram_layout(self) -> engram_hash.EngramLayout | None:
@@ -199,6 +212,18 @@ class ModelConfig:
                 bad("the candidate source must be a KV source")
             if self.candidate_topk_blocks * self.candidate_block_size < self.index_topk:
                 bad("candidate_topk_blocks*candidate_block_size must be >= index_topk")
+        if self.has_draft:
+            if not self.dspark_target_layer_ids:
+                bad("a DSpark draft needs dspark_target_layer_ids")
+            if any(not 0 <= t < L for t in self.dspark_target_layer_ids):
+                bad(f"dspark_target_layer_ids {self.dspark_target_layer_ids} must be backbone layers")
+            if tuple(sorted(set(self.dspark_target_layer_ids))) != tuple(self.dspark_target_layer_ids):
+                bad("dspark_target_layer_ids must be increasing")
+            if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+                bad("dspark_noise_token_id must be a token id")
+            e, k = self.draft_experts
+            if not 0 < k <= e:
+                bad("the draft needs 0 < dspark_n_activated_experts <= dspark_n_routed_experts")
         for e in self.engram_layer_ids:
             if not 0 <= e < L:
                 bad(f"engram layer {e} out of range")
@@ -252,6 +277,8 @@ class ModelConfig:
         if text.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError("config.json: topk_method must be noaux_tc")
         kw = {}
+        if "n_mtp_layers" in text:  # the reference ModelArgs spelling of num_nextn_predict_layers
+            kw["n_mtp_layers"] = text["n_mtp_layers"]
         for hf, ours in _HF_FIELDS.items():
             if hf in text and ours is not None:
                 v = text[hf]
@@ -335,7 +362,7 @@ _HF_FIELDS = {
 _HF_IGNORED = {
     "model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "bos_token_id",
     "eos_token_id", "pad_token_id", "image_token_id", "tie_word_embeddings", "initializer_range",
-    "use_cache", "quantization_config", "vision_config", "auto_map",
+    "use_cache", "quantization_config", "vision_config", "auto_map", "n_mtp_layers",
 }
 _HF_REQUIRED = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
@@ -365,7 +392,9 @@ def _full() -> ModelConfig:
 
 
 _PRESETS = {
-    "tiny": ModelConfig(name="tiny"),
+    "tiny": ModelConfig(name="tiny", n_mtp_layers=2, dspark_block_size=5, dspark_noise_token_id=511,
+                        dspark_target_layer_ids=(3, 5, 7), dspark_markov_rank=32, dspark_n_routed_experts=4,
+                        dspark_n_activated_experts=2),
     "small": ModelConfig(
         name="small", vocab_size=32768, dim=768, n_layers=16, n_heads=8, head_dim=128, rope_head_dim=32,
         q_lora_rank=384, o_groups=4, o_lora_rank=256, window_size=128,
@@ -375,12 +404,13 @@ _PRESETS = {
         rope_theta=10000.0, compress_rope_theta=160000.0, original_seq_len=16384, rope_factor=4.0,
         n_routed_experts=16, n_activated_experts=2, moe_inter_dim=256, engram_layer_ids=(1, 5),
         engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=64, engram_vocab_size=20011,
-        engram_compressed_vocab_size=32768, max_seq_len=8192, weight_format="fp8",
+        engram_compressed_vocab_size=32768, max_seq_len=8192, weight_format="fp8", n_mtp_layers=2,
+        dspark_block_size=5, dspark_noise_token_id=32767, dspark_target_layer_ids=(13, 14, 15),
+        dspark_markov_rank=128, dspark_n_routed_experts=16, dspark_n_activated_experts=2,
     ),
     "medium": dataclasses.replace(
         _full(), name="medium", n_routed_experts=16, engram_num_embeddings=(), engram_vocab_size=20011,
-        engram_compressed_vocab_size=129280, n_mtp_layers=0, dspark_block_size=0,
-        dspark_target_layer_ids=(), max_seq_len=65536, weight_format="bf16",
+        engram_compressed_vocab_size=129280, dspark_n_routed_experts=16, max_seq_len=65536, weight_format="bf16",
     ),
     "full": _full(),
 }

@@ -69,7 +69,9 @@ def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float):
     pre = jax.nn.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2.0 * jax.nn.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
+    # the max only stabilises exp (the normalisation below cancels it): no gradient through it, which also keeps
+    # XLA:CPU at -O0 from producing NaN in the max's backward
+    c = jnp.exp(c - jax.lax.stop_gradient(jnp.max(c, axis=-1, keepdims=True)))
     c = c / jnp.sum(c, axis=-1, keepdims=True) + eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 

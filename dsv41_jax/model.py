@@ -98,11 +98,23 @@ class StepAux:
         return StepAux(**{k: getattr(self, k) + terms.get(k, 0) for k in self.__dataclass_fields__})
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["x", "pos", "valid"], meta_fields=[])
+@dataclass(frozen=True)
+class DraftFeatures:
+    """What the DSpark draft reads from the backbone (dsv41_jax.dspark): for each row the decoder band ran on,
+    the residual stream entering every cfg.dspark_target_layer_ids layer (after its Engram), averaged over the
+    hc copies, concatenated in target order (the reference's `main_hidden`)."""
+    x: jax.Array  # [B, R, n_targets * D] compute dtype
+    pos: jax.Array  # [B, R] int32 position of each row
+    valid: jax.Array  # [B, R] bool: a real (non-padding) row
+
+
 class ChunkOutputs(NamedTuple):
     logits: jax.Array | None  # [B, n_logits, V] f32 of the last n_logits valid rows (None: no decoder rows)
     state: KVState  # the updated state
     topk: dict  # index-source layer -> its top-k [B, rows, k] (the rows that layer ran on)
     aux: StepAux  # scalar side outputs (DEP drops, training terms)
+    features: DraftFeatures | None = None  # the DSpark draft's inputs (step(features=True) only; see step_impl)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["qpos", "pos0", "clip", "write_from", "n_valid"],
@@ -274,7 +286,18 @@ def _block(cfg, ex, seg, kind, params, l, slot, carry, rows, forced):
     return (h, f_pre, state, shared, aux if ex.parallel is None else aux.add(moe_dropped=dropped)), topk
 
 
-def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced: dict | None):
+def _tap(cfg, feats, h, l):
+    """Features hook (step(features=True)): the residual entering layer l, mean over its hc copies, into l's slot
+    of feats [B, T, n_targets, D] (not a target layer: nothing written)."""
+    if feats is None:
+        return None
+    slot = jnp.asarray([cfg.dspark_target_layer_ids.index(i) if i in cfg.dspark_target_layer_ids else -1
+                        for i in range(cfg.n_layers)], jnp.int32)[l]
+    m = jnp.mean(h.astype(F32), axis=-2).astype(feats.dtype)
+    return feats.at[:, :, jnp.where(slot < 0, feats.shape[2], slot)].set(m, mode="drop")
+
+
+def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced: dict | None, feats=None):
     h, pre, state, shared, aux = carry
     if seg.engram_slot >= 0:
         h = ops.engram(ex, cfg, params["engram"][seg.engram_slot], h, engram_ids[:, :, seg.engram_slot])
@@ -286,22 +309,29 @@ def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced:
     use_forced = forced is not None and seg.is_index_source
     if use_forced:
         xs["forced"] = jnp.stack([forced[l] for l in seg.firsts])
+    # the scan carries the features only through a segment holding a target layer
+    taps = feats is not None and bool(set(cfg.dspark_target_layer_ids) & {*seg.firsts, *sum(seg.reuse, ())})
 
-    def group(c, x):
+    def group(cf, x):
+        c, f = cf
+        f = _tap(cfg, f, c[0], x["first"])
         c, topk = _block(cfg, ex, seg, seg.kind, params, x["first"], x["slot"], c, rows,
                          x["forced"] if use_forced else None)
         if seg.n_reuse:
-            def reuse(c2, l):
+            def reuse(cf2, l):
+                c2, f2 = cf2
+                f2 = _tap(cfg, f2, c2[0], l)
                 c2, _ = _block(cfg, ex, seg, KIND_REUSE, params, l, 0, c2, rows, None)
-                return c2, None
-            c, _ = jax.lax.scan(reuse, c, x["reuse"])
-        return c, topk
+                return (c2, f2), None
+            (c, f), _ = jax.lax.scan(reuse, (c, f), x["reuse"])
+        return (c, f), topk
 
-    carry, topks = jax.lax.scan(group, carry, xs, length=n)
+    (carry, tapped), topks = jax.lax.scan(group, (carry, feats if taps else None), xs, length=n)
+    feats = tapped if taps else feats
     rec = {}
     if seg.is_index_source:
         rec = {l: topks[i] for i, l in enumerate(seg.firsts)}
-    return carry, rec
+    return carry, rec, feats
 
 
 def _shared_init(cfg, ex, state, B, T, ratio):
@@ -314,7 +344,7 @@ def _shared_init(cfg, ex, state, B, T, ratio):
             "src": jnp.zeros((), jnp.int32)}
 
 
-def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, forced):
+def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, forced, feats=None):
     if len({s.ratio for s in segs if s.ratio}) > 1:
         raise ValueError("every compressed segment of a band must share one compress ratio")
     B, T = h.shape[:2]
@@ -325,20 +355,23 @@ def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, force
         if seg.ratio != ratio or shared is None:
             ratio = seg.ratio
             shared = _shared_init(cfg, ex, state, B, T, ratio)
-        (h, pre, state, shared, aux), r = _run_segment(cfg, ex, seg, params, (h, pre, state, shared, aux), rows,
-                                                        engram_ids, forced)
+        (h, pre, state, shared, aux), r, feats = _run_segment(cfg, ex, seg, params, (h, pre, state, shared, aux),
+                                                               rows, engram_ids, forced, feats)
         rec.update(r)
-    return h, pre, state, aux, rec
+    return h, pre, state, aux, rec, feats
 
 
 def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fresh: bool, n_dec: int, n_logits: int,
-              ex: ops.ExecContext = ops.DEFAULT, forced_topk: dict | None = None) -> ChunkOutputs:
+              ex: ops.ExecContext = ops.DEFAULT, forced_topk: dict | None = None,
+              features: bool = False) -> ChunkOutputs:
     """One chunk step; see the module docstring.
 
     The decoder runs on the n_dec rows ending at the last valid row (clamped at row 0) with its SWA clipped at
     inp.dec_clip, exactly as given (n_dec = 0: a non-final CED chunk, encoder band and the decoder's global-KV
     build only). Logits are those of the last n_logits valid rows (every decoder row, in order, when n_logits
-    equals the decoder rows)."""
+    equals the decoder rows). With `features` (static) and a config with dspark_target_layer_ids, the output's
+    `features` are the DSpark draft's inputs (DraftFeatures) on the rows the decoder ran on (every row when the
+    model has no decoder band; None for a non-final CED chunk); without it nothing extra is computed."""
     B, T = inp.tokens.shape
     dt = layers.cdtype(cfg)
     qpos = inp.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -347,8 +380,11 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     pre = jnp.zeros((B, T, cfg.hc_mult), F32).at[..., 0].set(1.0)
     rows = _Rows(qpos, inp.pos0, inp.enc_clip, inp.write_from, inp.n_valid, fresh)
     enc, dec = encoder_schedule(cfg), decoder_schedule(cfg)
-    h, pre, state, aux, rec = _run_band(cfg, ex, enc, params, h, pre, state, StepAux.zeros(), rows, inp.engram_ids,
-                                        forced_topk)
+    feats = None
+    if features and cfg.dspark_target_layer_ids:
+        feats = jnp.zeros((B, T, len(cfg.dspark_target_layer_ids), cfg.dim), dt)
+    h, pre, state, aux, rec, feats = _run_band(cfg, ex, enc, params, h, pre, state, StepAux.zeros(), rows,
+                                               inp.engram_ids, forced_topk, feats)
     if not dec:
         start = jnp.zeros((B,), jnp.int32)
     else:
@@ -362,13 +398,16 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
         sel_rows = start[:, None] + jnp.arange(n_dec)[None]
         h = jnp.take_along_axis(h, sel_rows[:, :, None, None], axis=1)
         pre = jnp.take_along_axis(pre, sel_rows[:, :, None], axis=1)
+        if feats is not None:
+            feats = jnp.take_along_axis(feats, sel_rows[:, :, None, None], axis=1)
         drows = _Rows(qpos[:, :n_dec] + start[:, None], inp.pos0 + start, inp.dec_clip, inp.write_from,
                       inp.n_valid - start, fresh and n_dec == T)
         dforced = None
         if forced_topk is not None:
             dforced = {k: jnp.take_along_axis(v, jnp.clip(sel_rows, 0, v.shape[1] - 1)[..., None], axis=1)
                        for k, v in forced_topk.items()}
-        h, pre, state, aux, rec_d = _run_band(cfg, ex, dec, params, h, pre, state, aux, drows, None, dforced)
+        h, pre, state, aux, rec_d, feats = _run_band(cfg, ex, dec, params, h, pre, state, aux, drows, None, dforced,
+                                                     feats)
         rec.update(rec_d)
     last = inp.n_valid - start - 1  # last valid row within h
     if n_logits == h.shape[1]:  # every (decoder) row, in order
@@ -379,10 +418,15 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     ps = jnp.take_along_axis(pre, lrows[:, :, None], axis=1)
     x = layers.rms_norm(cfg, layers.hc_pre(hs, ps), params["norm"]["weight"])
     logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
-    return ChunkOutputs(logits, state, rec, aux)
+    if feats is not None:
+        R = feats.shape[1]
+        i = jnp.arange(R, dtype=jnp.int32)[None]
+        feats = DraftFeatures(feats.reshape(B, R, -1), inp.pos0[:, None] + start[:, None] + i,
+                              i < (inp.n_valid - start)[:, None])
+    return ChunkOutputs(logits, state, rec, aux, feats)
 
 
-step = partial(jax.jit, static_argnames=("cfg", "fresh", "n_dec", "n_logits", "ex"))(step_impl)
+step = partial(jax.jit, static_argnames=("cfg", "fresh", "n_dec", "n_logits", "ex", "features"))(step_impl)
 
 
 KIND_NAMES = {KIND_SWA: "SWA-only", KIND_SRC: "Full", KIND_IDX: "Reindex", KIND_REUSE: "Reuse"}

@@ -2,8 +2,9 @@
 
 What it is: an `nnx.Module` that owns the parameters as `nnx.Param` leaves (the same pytree the pure paths
 take; `pure_params()` returns it) and whose methods run the pure paths of `dsv41_jax.paths`:
-`model(tokens)` is the full causal forward (a), `ced_prefill` (b) and `decode_step` (c). Every Param carries
-its logical axes as metadata (`param.get_metadata()["logical_axes"]`, e.g. ("layers", "experts",
+`model(tokens)` is the full causal forward (a), `ced_prefill` (b) and `decode_step` (c); with a DSpark draft
+(`cfg.has_draft`, its parameters under `params["mtp"]`) `write_context` / `propose` run `dsv41_jax.dspark`.
+Every Param carries its logical axes as metadata (`param.get_metadata()["logical_axes"]`, e.g. ("layers", "experts",
 "expert_inter", "embed")): `dsv41_jax.sharding` maps them onto a mesh and `checkpoints.sharding` places
 restored weights by them.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from dsv41_jax import paths
+from dsv41_jax import dspark, paths
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.params import init_params, param_axes
 
@@ -56,6 +57,14 @@ class DSV41(nnx.Module):
 
     def decode_step(self, state, token, **kw):
         return paths.decode_step(self.cfg, self.pure_params(), state, token, **kw)
+
+    def write_context(self, rings: dspark.DraftRings, x, pos, valid) -> dspark.DraftRings:
+        """dspark.write_context: the DSpark rings with feature rows x at pos (where valid) appended."""
+        return dspark.write_context(self.cfg, self.pure_params(), rings, x, pos, valid)
+
+    def propose(self, rings: dspark.DraftRings, anchor, pos, key, temperature, **kw) -> dspark.Proposal:
+        """dspark.propose: k draft tokens after `anchor` (at position pos) with their distributions."""
+        return dspark.propose(self.cfg, self.pure_params(), rings, anchor, pos, key, temperature, **kw)
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> DSV41:

@@ -10,6 +10,10 @@ Layout (a nested dict of arrays; every per-layer tensor is stacked so layers run
                       indexer.{wq_b, weights_proj, wk, k_norm}
   idx.*               stacked over index sources that do not own keys ("Reindex"): indexer.{wq_b, weights_proj}
   engram[i].*         one entry per Engram layer: embed.{weight, scale}, wkv, q_weight, k_weight
+  mtp.*               the DSpark draft (only when cfg.has_draft; dsv41_jax.dspark): layers.* stacked over its
+                      n_mtp_layers stages (a block as above, dspark_n_routed_experts experts, no compressor /
+                      indexer / Engram), main_proj [D, n_targets*D], main_norm, norm, markov_head.{embed, head}
+                      [V, rank] (head f32), confidence_head.proj [1, D + rank] f32
 
 A linear is ``{'weight': [out, in]}`` (bf16 weight_format) or ``{'weight': e4m3 [out, in],
 'scale': e8m0 [out/32, in/32]}`` (fp8). Routed experts in fp8 format are MXFP4: ``weight`` uint8
@@ -19,7 +23,7 @@ checkpoint so the importer is a renaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -73,46 +77,73 @@ def source_slots(cfg: ModelConfig):
     return slots, counts
 
 
+def _block_tensors(cfg: ModelConfig, s: tuple, ls: tuple, E: int) -> dict[tuple, Tensor]:
+    """One transformer block's tensors (mHC, norms, attention without compressor / indexer, MoE with E routed
+    experts), stacked over `s`, paths relative to the stack."""
+    D, H, d = cfg.dim, cfg.n_heads, cfg.head_dim
+    qL, G, oL, I = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.moe_inter_dim
+    M, hcD = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * D
+    t: dict[tuple, Tensor] = {
+        ("attn_norm",): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
+        ("ffn_norm",): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
+        ("attn", "wq_a"): _lin(s, qL, D, (*ls, "q_lora", "embed")),
+        ("attn", "q_norm"): Tensor((*s, qL), init="ones", std=0.1, axes=(*ls, "q_lora")),
+        ("attn", "wq_b"): _lin(s, H * d, qL, (*ls, "q_heads", "q_lora")),
+        ("attn", "wkv"): _lin(s, d, D, (*ls, "kv_latent", "embed")),
+        ("attn", "kv_norm"): Tensor((*s, d), init="ones", std=0.1, axes=(*ls, "kv_latent")),
+        ("attn", "wo_a"): Tensor((*s, G * oL, H * d // G), std=(H * d // G) ** -0.5,
+                                 axes=(*ls, "o_groups", "o_group_in")),
+        ("attn", "wo_b"): _lin(s, D, G * oL, (*ls, "embed", "o_groups")),
+        ("attn", "attn_sink"): Tensor((*s, H), dtype=F32, axes=(*ls, "heads")),
+        ("ffn", "gate", "weight"): Tensor((*s, E, D), std=D ** -0.5, axes=(*ls, "router", "embed")),
+        ("ffn", "gate", "bias"): Tensor((*s, E), dtype=F32, std=0.1, axes=(*ls, "router")),
+        ("ffn", "experts", "w1"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
+                                         axes=(*ls, "experts", "expert_inter", "embed")),
+        ("ffn", "experts", "w2"): Tensor((*s, E, D, I), "exp", std=I ** -0.5,
+                                         axes=(*ls, "experts", "embed", "expert_inter")),
+        ("ffn", "experts", "w3"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
+                                         axes=(*ls, "experts", "expert_inter", "embed")),
+        ("ffn", "shared", "w1"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
+        ("ffn", "shared", "w2"): _lin(s, D, I, (*ls, "embed", "expert_inter")),
+        ("ffn", "shared", "w3"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
+    }
+    for sub in ("attn", "ffn"):
+        t[(f"hc_{sub}_fn",)] = Tensor((*s, M, hcD), dtype=F32, std=hcD ** -0.5, axes=(*ls, "hc_mix", "hc_embed"))
+        t[(f"hc_{sub}_base",)] = Tensor((*s, M), dtype=F32, std=0.5, axes=(*ls, "hc_mix"))
+        t[(f"hc_{sub}_scale",)] = Tensor((*s, 3), dtype=F32, init="uniform", lo=0.5, hi=1.0, axes=(*ls, None))
+    return t
+
+
+def draft_tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
+    """The DSpark draft's tensors under ("mtp", ...) (empty without a draft; see dsv41_jax.dspark). The draft is
+    small and replicated: every axis of its tensors is None (no sharding rule applies)."""
+    if not cfg.has_draft:
+        return {}
+    D, V, r, S = cfg.dim, cfg.vocab_size, cfg.dspark_markov_rank, cfg.n_mtp_layers
+    nt = len(cfg.dspark_target_layer_ids)
+    t = {("mtp", "layers", *k): v for k, v in _block_tensors(cfg, (S,), ("mtp_layers",), cfg.draft_experts[0]).items()}
+    t.update({
+        ("mtp", "main_proj"): _lin((), D, nt * D, ()),
+        ("mtp", "main_norm", "weight"): Tensor((D,), init="ones", std=0.1),
+        ("mtp", "norm", "weight"): Tensor((D,), init="ones", std=0.1),
+        ("mtp", "markov_head", "embed", "weight"): Tensor((V, r)),
+        ("mtp", "markov_head", "head", "weight"): Tensor((V, r), dtype=F32, std=r ** -0.5),
+        ("mtp", "confidence_head", "proj", "weight"): Tensor((1, D + r), dtype=F32, std=(D + r) ** -0.5),
+    })
+    return {k: replace(v, axes=(None,) * len(v.shape)) for k, v in t.items()}
+
+
 def tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
     """Every logical tensor with its shape, storage format, init and logical axes (see dsv41_jax.sharding)."""
-    D, L, H, d = cfg.dim, cfg.n_layers, cfg.n_heads, cfg.head_dim
-    qL, G, oL, E, I = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.n_routed_experts, cfg.moe_inter_dim
-    M, hcD = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * D
+    D, L, d = cfg.dim, cfg.n_layers, cfg.head_dim
+    qL = cfg.q_lora_rank
     Hi, di = cfg.index_n_heads, cfg.index_head_dim
-    s, ls = (L,), ("layers",)
     t: dict[tuple, Tensor] = {
         ("embed", "weight"): Tensor((cfg.vocab_size, D), axes=("vocab", "embed")),
         ("norm", "weight"): Tensor((D,), init="ones", std=0.1, axes=("embed",)),
         ("head", "weight"): Tensor((cfg.vocab_size, D), dtype=F32, std=D ** -0.5, axes=("vocab", "embed")),
-        ("layers", "attn_norm"): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
-        ("layers", "ffn_norm"): Tensor((*s, D), init="ones", std=0.1, axes=(*ls, "embed")),
-        ("layers", "attn", "wq_a"): _lin(s, qL, D, (*ls, "q_lora", "embed")),
-        ("layers", "attn", "q_norm"): Tensor((*s, qL), init="ones", std=0.1, axes=(*ls, "q_lora")),
-        ("layers", "attn", "wq_b"): _lin(s, H * d, qL, (*ls, "q_heads", "q_lora")),
-        ("layers", "attn", "wkv"): _lin(s, d, D, (*ls, "kv_latent", "embed")),
-        ("layers", "attn", "kv_norm"): Tensor((*s, d), init="ones", std=0.1, axes=(*ls, "kv_latent")),
-        ("layers", "attn", "wo_a"): Tensor((*s, G * oL, H * d // G), std=(H * d // G) ** -0.5,
-                                           axes=(*ls, "o_groups", "o_group_in")),
-        ("layers", "attn", "wo_b"): _lin(s, D, G * oL, (*ls, "embed", "o_groups")),
-        ("layers", "attn", "attn_sink"): Tensor((*s, H), dtype=F32, axes=(*ls, "heads")),
-        ("layers", "ffn", "gate", "weight"): Tensor((*s, E, D), std=D ** -0.5, axes=(*ls, "router", "embed")),
-        ("layers", "ffn", "gate", "bias"): Tensor((*s, E), dtype=F32, std=0.1, axes=(*ls, "router")),
-        ("layers", "ffn", "experts", "w1"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
-                                                   axes=(*ls, "experts", "expert_inter", "embed")),
-        ("layers", "ffn", "experts", "w2"): Tensor((*s, E, D, I), "exp", std=I ** -0.5,
-                                                   axes=(*ls, "experts", "embed", "expert_inter")),
-        ("layers", "ffn", "experts", "w3"): Tensor((*s, E, I, D), "exp", std=D ** -0.5,
-                                                   axes=(*ls, "experts", "expert_inter", "embed")),
-        ("layers", "ffn", "shared", "w1"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
-        ("layers", "ffn", "shared", "w2"): _lin(s, D, I, (*ls, "embed", "expert_inter")),
-        ("layers", "ffn", "shared", "w3"): _lin(s, I, D, (*ls, "expert_inter", "embed")),
     }
-    for sub in ("attn", "ffn"):
-        t[("layers", f"hc_{sub}_fn")] = Tensor((*s, M, hcD), dtype=F32, std=hcD ** -0.5,
-                                               axes=(*ls, "hc_mix", "hc_embed"))
-        t[("layers", f"hc_{sub}_base")] = Tensor((*s, M), dtype=F32, std=0.5, axes=(*ls, "hc_mix"))
-        t[("layers", f"hc_{sub}_scale")] = Tensor((*s, 3), dtype=F32, init="uniform", lo=0.5, hi=1.0,
-                                                  axes=(*ls, None))
+    t.update({("layers", *k): v for k, v in _block_tensors(cfg, (L,), ("layers",), cfg.n_routed_experts).items()})
     _, counts = source_slots(cfg)
     for key, n in counts.items():
         k = (n,)
@@ -136,6 +167,7 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, Tensor]:
             t[("engram", i, "wkv")] = _lin((), D * (cfg.hc_mult + 1), cols, ("engram_out", "engram_in"))
             t[("engram", i, "q_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1, axes=("hc", "embed"))
             t[("engram", i, "k_weight")] = Tensor((cfg.hc_mult, D), init="ones", std=0.1, axes=("hc", "embed"))
+    t.update(draft_tensor_specs(cfg))
     return t
 
 
@@ -171,8 +203,14 @@ def param_specs(cfg: ModelConfig) -> dict[tuple, Leaf]:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Backbone parameters (logical elements; FP8/FP4 scales and Engram tables excluded)."""
-    return sum(s.logical_size for s in param_specs(cfg).values() if s.role not in ("scale", "engram_table"))
+    """Backbone parameters (logical elements; FP8/FP4 scales, Engram tables and the DSpark draft excluded)."""
+    return sum(s.logical_size for p, s in param_specs(cfg).items()
+               if s.role not in ("scale", "engram_table") and p[0] != "mtp")
+
+
+def num_draft_params(cfg: ModelConfig) -> int:
+    """The DSpark draft's own parameters (it shares the backbone's embedding and LM head)."""
+    return sum(s.logical_size for p, s in param_specs(cfg).items() if s.role != "scale" and p[0] == "mtp")
 
 
 def _set(tree, path, value):
@@ -202,7 +240,7 @@ def _init_tensor(cfg, key, t: Tensor, path) -> dict:
         v = (jnp.asarray(t.std, gen) * jax.random.normal(key, t.shape, gen)).astype(gen)
     if path[-1] == "wo_a" and fp8:  # stored FP8 in the checkpoint, run in bf16: keep it FP8-representable
         v = quant.dequantize_weight_fp8(*quant.quantize_weight_fp8(v), F32)
-    if t.fmt == "dense" and t.dtype == F32 and path[0] in ("head", "src_r1", "src_r2"):
+    if t.fmt == "dense" and t.dtype == F32 and (path[0] in ("head", "src_r1", "src_r2") or path[:2] in BF16_STORED):
         v = v.astype(BF16)  # the checkpoint stores these in bf16
     if t.fmt == "lin" and fp8:
         w, s = quant.quantize_weight_fp8(v)
@@ -216,6 +254,9 @@ def _init_tensor(cfg, key, t: Tensor, path) -> dict:
     if t.fmt in ("lin", "exp", "table"):
         return {path + ("weight",): v.astype(BF16)}
     return {path: v.astype(t.dtype)}
+
+
+BF16_STORED = {("mtp", "markov_head"), ("mtp", "confidence_head")}  # f32 in the model, bf16 in the checkpoint
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:

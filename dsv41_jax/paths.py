@@ -125,8 +125,8 @@ def prefill_chunk(cfg: ModelConfig, params, ds: DecodeState, tokens, *, mode="bo
     dec_clip = ds.pos + (T - n_dec) if n_dec < T else ec
     wf = 0 if write_from is None else write_from
     inp = ChunkInputs.make(tokens, ids, pos0=ds.pos, enc_clip=ec, dec_clip=dec_clip, write_from=wf)
-    logits, arrays, rec, _ = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=fresh, n_dec=n_dec,
-                                  n_logits=n_logits)
+    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=fresh, n_dec=n_dec,
+                               n_logits=n_logits)[:3]
     ds = DecodeState(arrays, ds.pos + T, np.asarray(ec, np.int32), np.asarray(dec_clip, np.int32), hist)
     return logits, ds, rec
 
@@ -146,8 +146,8 @@ def decode_step(cfg: ModelConfig, params, ds: DecodeState, token, *, forced_topk
     tok = np.asarray(token, np.int32).reshape(-1, 1)
     ids, hist = _ids(cfg, hasher, tok, ds.history)
     inp = ChunkInputs.make(tok, ids, pos0=ds.pos, enc_clip=ds.enc_clip, dec_clip=ds.dec_clip)
-    logits, arrays, rec, _ = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=False, n_dec=1,
-                                  n_logits=1)
+    logits, arrays, rec = step(cfg, params, ds.arrays, inp, forced_topk=forced_topk, fresh=False, n_dec=1,
+                               n_logits=1)[:3]
     ds = replace(ds, arrays=arrays, pos=ds.pos + 1, history=hist)
     return (logits[:, 0], ds, rec) if return_topk else (logits[:, 0], ds)
 

@@ -416,7 +416,7 @@ def test_ignored_tensors_are_accepted(hf_dir, tmp_path, tiny_params):
     d = tmp_path / "extra"
     shutil.copytree(hf_dir, d)
     _rewrite(d, "norm.weight", add={"layers.0.ffn.gate.bias_vl": np.ones(8, np.float32),
-                                    "mtp.0.ffn.gate.weight": np.ones((2, 64), ml_dtypes.bfloat16)})
+                                    "mtp.0.embed.weight": np.ones((2, 64), ml_dtypes.bfloat16)})
     assert_trees_identical(load(d, progress=False)[1], tiny_params)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from dsv41_jax import model, quant
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.ops import ExecContext, TrainHooks
-from dsv41_jax.params import expert_weight, init_params, lin_weight, tensor_specs
+from dsv41_jax.params import BF16_STORED, expert_weight, init_params, lin_weight, tensor_specs
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -106,20 +106,25 @@ def _quantized_values(cfg, path, t, w):
         return quant.fp4_qdq(w, 32, "ue8m0")
     if t.fmt == "table":
         return quant.fp8_qdq(w, 32)
-    if path[0] == "head":  # f32 in the model, bf16 in the checkpoint
+    if path[0] == "head" or path[:2] in BF16_STORED:  # f32 in the model, bf16 in the checkpoint
         return w.astype(BF16).astype(F32)
     return w
 
 
-def qat_params(cfg: ModelConfig, masters: dict) -> dict:
+def _specs(cfg: ModelConfig, root: str | None):
+    """tensor_specs, or only those under the top-level key `root` (e.g. "mtp": the DSpark draft alone)."""
+    return [(p, t) for p, t in tensor_specs(cfg).items() if root is None or p[0] == root]
+
+
+def qat_params(cfg: ModelConfig, masters: dict, root: str | None = None) -> dict:
     """The parameter tree the model runs on during training (traceable): served values, straight-through
     gradients. FP8/FP4 tensors keep the fp8-format structure ({'weight', 'scale'}) so the model applies its
     activation quantization, with float weights and unit scales (which dsv41_jax.params.expert_weight reads as
-    they are)."""
+    they are). root: only the tensors under that top-level key (masters may then hold just that subtree)."""
     if cfg.weight_format != "fp8":
         raise ValueError("qat_params models the fp8 checkpoint format (cfg.weight_format must be 'fp8')")
     out = _copy(masters)
-    for path, t in tensor_specs(cfg).items():
+    for path, t in _specs(cfg, root):
         node = _get(masters, path)
         w = node["weight"] if t.fmt in ("lin", "exp", "table") else node
         q = _ste(w, _quantized_values(cfg, path, t, w))
@@ -135,12 +140,12 @@ def qat_params(cfg: ModelConfig, masters: dict) -> dict:
     return out
 
 
-def export_params(cfg: ModelConfig, masters: dict) -> dict:
+def export_params(cfg: ModelConfig, masters: dict, root: str | None = None) -> dict:
     """The served parameter tree in cfg.weight_format (fp8: FP8 / MXFP4 / FP8-table leaves), as
-    `checkpoints.write_hf` writes it."""
+    `checkpoints.write_hf` writes it (root: as in qat_params)."""
     fp8 = cfg.weight_format == "fp8"
     out = _copy(masters)
-    for path, t in tensor_specs(cfg).items():
+    for path, t in _specs(cfg, root):
         node = _get(masters, path)
         w = node["weight"] if t.fmt in ("lin", "exp", "table") else node
         if t.fmt == "lin" and fp8:

@@ -241,7 +241,7 @@ class Runner:
         n_dec = decoder_rows(key.decoder, T, cfg.window_size)
         n_logits = T if key.all_logits else 1
         logits, state, _, aux = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec,
-                                          n_logits=n_logits, ex=self.ex)
+                                          n_logits=n_logits, ex=self.ex)[:4]
         out = dict(pools, pages=state.glob.pages, swa=state.swa.store(cfg, pools["swa"], slots))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state.comp.kv)

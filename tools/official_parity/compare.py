@@ -37,6 +37,8 @@ def official_args(cfg: ModelConfig, batch: int) -> dict:
     args = {k: list(v) if isinstance(v, tuple) else v for k, v in args.items()}
     args.update(engram_num_embeddings=list(cfg.engram_rows), max_batch_size=batch, max_seq_len=cfg.max_seq_len,
                 vision_n_layers=0, dtype="fp8", expert_dtype="fp4")
+    if cfg.has_draft:  # the reference lists a ratio for every layer, the DSpark stages (SWA only) included
+        args["compress_ratios"] = args["compress_ratios"] + [0] * cfg.n_mtp_layers
     return args
 
 

@@ -119,6 +119,12 @@ def load_weights(model: torch.nn.Module, path: str):
 
     raw = load_file(path)
     params = dict(model.state_dict())
+    # the DSpark stages register the shared embed / head as submodules: their state-dict entries are aliases of
+    # embed.weight / head.weight, which a checkpoint holds once
+    for k in params:
+        for alias in ("embed", "head"):
+            if k.startswith("mtp.") and k.endswith(f".{alias}.weight") and k not in raw:
+                raw[k] = raw[f"{alias}.weight"]
     missing = sorted(set(params) - set(raw))
     extra = sorted(set(raw) - set(params))
     if missing or extra:

@@ -9,6 +9,12 @@ Outputs (float32 logits; int32 top-k):
   prefill_logits         [B, S, V]   one prefill over all S tokens, every position
   decode_prefill_logits  [B, K, V]   (--decode-from K) prefill of tokens[:, :K] from a clean cache
   decode_logits          [B, S-K, V] (--decode-from K) then one token at a time, positions K..S-1
+  spec_*                 (--spec-from K) DSpark: prefill tokens[:, :K] (forward_spec seeds the draft rings), then
+                         decode one token at a time and run forward_spec after each step (set "temperature": 0
+                         in the args for greedy): spec_prefill_hidden [B, K, n_t*D] (main_hidden of the prefill),
+                         spec_hidden [B, S-K, n_t*D], spec_anchor [B, S-K] (the target's token), spec_tokens
+                         [B, S-K, block] (drafts), spec_logits [B, S-K, block, V], spec_confidence [B, S-K, block];
+                         the prefill's indexer picks are recorded as decode_prefill_topk_L{l} with --dump-topk
   topk_L{l}              [B, S, W]        (--dump-topk) index-source layer l, full prefill
   decode_prefill_topk_L{l} [B, K, W']     (--dump-topk, --decode-from)
   decode_topk_L{l}       [B, S-K, index_topk] (--dump-topk, --decode-from) decode steps, -1 padded;
@@ -75,6 +81,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--decode-from", type=int, default=None, metavar="K")
     ap.add_argument("--dump-topk", action="store_true")
+    ap.add_argument("--spec-from", type=int, default=None, metavar="K")
     ap.add_argument("--force-topk", default=None, metavar="FILE.npz")
     ap.add_argument("--engram-token-map", default=None, help="int .npy [vocab_size] compressed ids")
     ap.add_argument("--tokenizer-json", default=None, help="use the real upstream token-map builder")
@@ -99,6 +106,8 @@ def main():
     if B > args.max_batch_size or S > args.max_seq_len:
         raise SystemExit(f"tokens {ids.shape} exceed max_batch_size={args.max_batch_size}/"
                          f"max_seq_len={args.max_seq_len}")
+    if a.spec_from is not None and a.decode_from is not None:
+        raise SystemExit("--spec-from and --decode-from record the same phases: pass one")
     if a.force_topk:
         _forced.update(dict(np.load(a.force_topk)))
     _dump["on"] = a.dump_topk
@@ -128,6 +137,24 @@ def main():
             steps.append(logits.float().numpy())  # [B, 1, V]
         timing["decode_s"] = time.time() - t0
         out["decode_logits"] = np.concatenate(steps, axis=1)
+
+    if a.spec_from is not None:
+        K = a.spec_from
+        reset_state(model)
+        _phase.update(name="decode_prefill", step=None)
+        out_ids, _, hidden = model(ids[:, :K], 0)
+        model.forward_spec(out_ids[:, -1], hidden, 0)
+        out["spec_prefill_hidden"] = hidden.float().numpy()
+        rec = {k: [] for k in ("hidden", "anchor", "tokens", "logits", "confidence")}
+        for t in range(K, S):
+            _phase.update(name="decode", step=t - K)
+            out_ids, _, hidden = model(ids[:, t : t + 1], t)
+            toks, dlogits, conf = model.forward_spec(out_ids[:, -1], hidden, t)
+            for k, v in zip(rec, (hidden[:, 0], out_ids[:, -1], toks[:, 1:], dlogits, conf)):
+                rec[k].append(v.float().numpy() if v.is_floating_point() else v.numpy())
+        for k, v in rec.items():
+            out[f"spec_{k}"] = np.stack(v, axis=1)
+        a.decode_from = K  # the decode-phase top-k records below are shaped by it
 
     for key, recs in _records.items():
         if key.startswith("decode_topk_"):
