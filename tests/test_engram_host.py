@@ -141,7 +141,7 @@ def test_tables_never_enter_device_memory(engines, cfg2):
             assert any(a is x for x in dev_tables), a.shape
     fmt = engram_rows.row_format(cfg2)
     for key in r.programs:  # every program's arguments: no table, and one gathered-rows input per Engram layer
-        shapes = [tuple(x.shape) for x in jax.tree.leaves(r.lower(key).args_info)]
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(r.programs[key].args_info)]  # the compiled programs
         assert not any(s and s[0] in rows for s in shapes), (key, shapes)
         assert shapes.count((key.batch, key.tokens, cfg2.engram_layout.n_cols, fmt.row_bytes)) == 2
     assert host.stats()["engram_host_tables"]["bytes"] == sum(engram_rows.table_bytes(cfg2))

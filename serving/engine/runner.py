@@ -165,11 +165,11 @@ class Runner:
         device counts this host does not have)."""
         from dsv41_jax.params import abstract_params
 
-        abs_p = abstract_params(cfg)
-        if getattr(args, "engram", None) is not None and args.engram.cpu_offload:
-            abs_p = drop_tables(abs_p)
+        host_eng = getattr(args, "engram", None) is not None and args.engram.cpu_offload
+        abs_p = drop_tables(abstract_params(cfg)) if host_eng else abstract_params(cfg)
         if mesh is not None:
             specs = param_partition_specs(cfg, args.parallel, mesh)
+            specs = drop_tables(specs) if host_eng else specs
             abs_p = jax.tree.map(lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                     sharding=NamedSharding(mesh, sp)), abs_p, specs)
         return cls(cfg, abs_p, args, max_pages, mesh, abstract=True)
