@@ -168,14 +168,26 @@ def part1(a, cfg, rows: list, save):
 
 # ----------------------------------------------------------------------------- part 2: full-size lookup
 def _mem_available() -> int:
+    """MemAvailable, capped by this cgroup's memory limit (a container's limit is below the host's memory)."""
+    avail = 0
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(used) as g:
+                text = f.read().strip()
+                if text != "max":
+                    avail = min(avail, int(text) - int(g.read().strip()))
+            break
+        except (OSError, ValueError):
+            continue
+    return max(avail, 0)
 
 
 def part2(a) -> dict:
@@ -303,7 +315,7 @@ def main(argv=None):
     if a.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         a.preset, a.context, a.chunk, a.steps, a.warmup, a.prefill_reps = "tiny", 64, 32, 3, 1, 1
-        a.batches, a.lookup_reps = "1,2", 2
+        a.batches, a.lookup_reps, a.budget = "1,2", 2, 0
     a.batches = [int(x) for x in str(a.batches).split(",")]
     import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
 

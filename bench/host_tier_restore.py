@@ -117,7 +117,7 @@ def main(argv=None):
         import os
 
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        a.preset, a.prefixes, a.extra, a.chunk, a.reps = "tiny", "128,192", 16, 64, 2
+        a.preset, a.prefixes, a.extra, a.chunk, a.reps, a.budget = "tiny", "128,192", 16, 64, 2, 0
     import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.kv_format import pages_for
@@ -129,7 +129,7 @@ def main(argv=None):
     mml = min(cfg.max_seq_len, pages_for(max(prefixes) + a.extra + 1) * 64)
     n = pages_for(mml)
     W = cfg.window_size
-    args = EngineArgs(max_model_len=mml, max_num_seqs=2, max_num_batched_tokens=a.chunk,
+    args = EngineArgs(max_model_len=mml, max_num_seqs=1, max_num_batched_tokens=a.chunk,
                       prefill_buckets=tuple(sorted({pages_for(W + a.extra) * 64, a.chunk})), decode_buckets=(1,),
                       enable_prompt_logprobs=False, num_pages=1 + 3 * n, kv_offloading_size=1.0,
                       compilation_cache_dir=shared_cache_dir())

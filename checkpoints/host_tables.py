@@ -361,7 +361,10 @@ def from_random(cfg, seed: int, opts: StoreOptions | None = None) -> HostTables:
     key = content_key("random", VERSION, fmt, _cfg_key(cfg), seed)
 
     def fill(arrays):
-        cpu = jax.devices("cpu")[0]
+        try:
+            cpu = jax.devices("cpu")[0]
+        except RuntimeError:  # JAX_PLATFORMS without cpu: the default device, copied out chunk by chunk
+            cpu = jax.devices()[0]
         with jax.default_device(cpu):
             keys = jax.random.split(jax.random.key(seed), len(specs))
             e = 0
