@@ -99,7 +99,8 @@ class HostTables:
 
     def describe(self) -> dict:
         return {"bytes": self.nbytes, "shared_file": self.path, "created_here": self.created,
-                "huge_page_bytes": self.huge_page_bytes(), "rows": [a.shape[0] for a in self.arrays],
+                "huge_page_bytes": self.huge_page_bytes(), "thp_policy": thp_policy(self.path is not None),
+                "rows": [a.shape[0] for a in self.arrays],
                 "row_bytes": self.fmt.row_bytes}
 
     def close(self):
@@ -171,6 +172,18 @@ def _madvise_huge(mm: mmap.mmap, use_thp: bool):
             log.info("Engram tables: no transparent huge pages (%s)", e)
 
 
+def thp_policy(shared: bool) -> str:
+    """The kernel's transparent-huge-page policy for anonymous (private) or tmpfs (shared) memory: the selected
+    word of /sys/kernel/mm/transparent_hugepage/{enabled,shmem_enabled}, or "unknown"."""
+    name = "shmem_enabled" if shared else "enabled"
+    try:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+
+
 def _views(mm, fmt: RowFormat, rows: list[int]) -> list[np.ndarray]:
     offs, _ = _layout(fmt, rows)
     return [np.frombuffer(mm, np.uint8, r * fmt.row_bytes, o).reshape(r, fmt.row_bytes) for o, r in zip(offs, rows)]
@@ -199,6 +212,10 @@ def _check_file(path: str, fmt: RowFormat, rows: list[int], key: bytes, total: i
 
 def _shared(fmt, rows, key: bytes, fill, opts) -> HostTables:
     os.makedirs(opts.shm_dir, exist_ok=True)
+    if opts.use_thp and thp_policy(True) in ("never", "deny"):
+        log.warning("Engram tables: the kernel gives shared memory no huge pages (transparent_hugepage/shmem_enabled "
+                    "is %s): lookups pay TLB misses; 'advise' there, or dp_shared_memory=false (private memory, "
+                    "one copy per process) enables them", thp_policy(True))
     path = os.path.join(opts.shm_dir, f"dsv41-engram-{key.hex()[:32]}")
     _, total = _layout(fmt, rows)
     with _locked(path + ".create.lock", fcntl.LOCK_EX):
