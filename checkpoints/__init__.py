@@ -7,7 +7,8 @@
 
 Modules: `hf_layout` (official names -> our leaves), `hf_config` (config.json), `safetensors_io` (files),
 `hf_manifest` (validation), `host_quant` (host dequantization), `hf_import` (streaming import),
-`make_hf` (writer), `orbax_io`, `sharding` (leaf placement), `random_params`, `loader`, `tree`.
+`make_hf` (writer), `orbax_io`, `sharding` (leaf placement), `random_params`, `loader`, `tree`, `host_tables`
+(Engram tables in host memory: `load(..., host_tables=StoreOptions())` reads them there, never onto a device).
 Every bad input raises `CheckpointError` (a ValueError) naming the tensor or file, before any weight loads.
 """
 

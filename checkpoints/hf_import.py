@@ -45,6 +45,7 @@ from checkpoints.safetensors_io import CheckpointError, pread_into
 from checkpoints.sharding import leaf_sharding
 from checkpoints.tree import unflat
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram_rows import drop_tables
 from dsv41_jax.params import abstract_params, param_specs
 
 SLAB_BYTES = 256 * 2 ** 20
@@ -93,10 +94,12 @@ def _slab_plan(shape, k, itemsize, budget, align):
 
 
 class _Importer:
-    def __init__(self, cfg: ModelConfig, man: Manifest, mesh, expert_axis, slab_bytes, progress, parallel=None):
+    def __init__(self, cfg: ModelConfig, man: Manifest, mesh, expert_axis, slab_bytes, progress, parallel=None,
+                 tables: bool = True):
         self.cfg, self.man, self.mesh, self.expert_axis, self.parallel = cfg, man, mesh, expert_axis, parallel
         self.slab_bytes = int(slab_bytes)
-        self.leaves = param_specs(cfg)
+        self.tables = tables
+        self.leaves = {p: lf for p, lf in param_specs(cfg).items() if tables or not _is_table(p)}
         self.pieces = self._pieces()
         self.fds: dict[Path, int] = {}
         self.inflight = None
@@ -132,6 +135,8 @@ class _Importer:
                 put(e.path + ("scale",), e, "copy", scale_name(e))
             else:
                 put(e.path + ("weight",), e, e.fmt, e.name, scale_name(e))
+        if not self.tables:  # host Engram tables: read by checkpoints.host_tables, never onto a device
+            out = {p: v for p, v in out.items() if not _is_table(p)}
         self._check(out)
         return out
 
@@ -297,14 +302,21 @@ class _Importer:
             for fd in self.fds.values():
                 os.close(fd)
             self.bar.close()
-        return unflat(abstract_params(self.cfg), arrays)
+        template = abstract_params(self.cfg)
+        return unflat(template if self.tables else drop_tables(template), arrays)
+
+
+def _is_table(path) -> bool:
+    return len(path) >= 3 and path[0] == "engram" and path[2] == "embed"
 
 
 def import_hf(directory, *, weight_format: str | None = None, mesh=None, expert_axis: str | None = None,
-              slab_bytes: int = SLAB_BYTES, progress: bool = True, parallel=None) -> tuple[ModelConfig, dict]:
+              slab_bytes: int = SLAB_BYTES, progress: bool = True, parallel=None,
+              tables: bool = True) -> tuple[ModelConfig, dict]:
     """(cfg, params) from an HF-layout directory. weight_format None keeps the checkpoint's format (fp8 for
     the official quantized layout); "bf16" dequantizes every weight; "fp8" needs a quantized checkpoint.
-    `mesh` (+ `parallel`, an engine layout): every leaf is built shard by shard on its devices."""
+    `mesh` (+ `parallel`, an engine layout): every leaf is built shard by shard on its devices.
+    `tables=False`: the Engram tables are left out of the tree (host tables: checkpoints.host_tables)."""
     man = inspect(directory)
     wf = weight_format or man.cfg.weight_format
     if wf == "fp8" and not man.quantized:
@@ -314,4 +326,4 @@ def import_hf(directory, *, weight_format: str | None = None, mesh=None, expert_
     if man.ignored:
         log.info("%s: %d tensors not used by the text model skipped (e.g. %s)", man.directory, len(man.ignored),
                  man.ignored[0])
-    return cfg, _Importer(cfg, man, mesh, expert_axis, slab_bytes, progress, parallel).run()
+    return cfg, _Importer(cfg, man, mesh, expert_axis, slab_bytes, progress, parallel, tables).run()

@@ -54,9 +54,13 @@ def to_bf16_weights(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
 
 
 def load(path, *, weight_format: str | None = None, mesh=None, expert_axis: str | None = None,
-         progress: bool = True, parallel=None) -> tuple[ModelConfig, dict]:
+         progress: bool = True, parallel=None, host_tables=None) -> tuple[ModelConfig, dict]:
     """`mesh` + `parallel` (a dsv41_jax.sharding.Parallel): every leaf lands on its shards (see
-    checkpoints.sharding); nothing is materialised whole on one device."""
+    checkpoints.sharding); nothing is materialised whole on one device.
+    `host_tables` (a checkpoints.host_tables.StoreOptions): the Engram tables go to host memory, never to a
+    device; returns (cfg, params without the tables, HostTables)."""
+    if host_tables is not None:
+        return _load_host_tables(Path(path), weight_format, mesh, expert_axis, progress, parallel, host_tables)
     d = Path(path)
     if weight_format not in (None, "fp8", "bf16"):
         raise ValueError(f"weight_format {weight_format!r} not in (None, 'fp8', 'bf16')")
@@ -70,5 +74,42 @@ def load(path, *, weight_format: str | None = None, mesh=None, expert_axis: str 
         if weight_format == "bf16":
             cfg, params = to_bf16_weights(cfg, params)
         return cfg, params
+    raise CheckpointError(f"{d}: neither an HF checkpoint (config.json + model.safetensors.index.json) nor an "
+                          "Orbax one (dsv41_config.json + params/)")
+
+
+def _load_host_tables(d: Path, weight_format, mesh, expert_axis, progress, parallel, opts):
+    from checkpoints import host_tables
+    from checkpoints.hf_manifest import inspect
+    from dsv41_jax.engram_rows import split_tables
+
+    if is_hf_dir(d):
+        man = inspect(d)  # every header checked before anything is read
+        cfg = man.cfg.replace(weight_format=weight_format or man.cfg.weight_format)
+        if cfg.weight_format == "fp8" and not man.quantized:
+            raise CheckpointError(f"{man.directory}: weight_format 'fp8' needs an FP8 checkpoint (config.json has no "
+                                  "fp8 quantization_config); load it with weight_format='bf16'")
+        tables = host_tables.from_hf(man, cfg, opts)  # first: a bad table row fails before any device weight
+        try:
+            cfg, params = import_hf(d, weight_format=weight_format, mesh=mesh, expert_axis=expert_axis,
+                                    progress=progress, parallel=parallel, tables=False)
+        except BaseException:
+            tables.close()
+            raise
+        return cfg, params, tables
+    if is_orbax_dir(d):
+        if weight_format == "bf16":
+            raise CheckpointError(f"{d}: host Engram tables from an Orbax checkpoint keep its weight format; "
+                                  "convert it first (python -m checkpoints.convert)")
+        cfg, params = restore_orbax(d, mesh=mesh, expert_axis=expert_axis, parallel=parallel,
+                                    table_device=jax.devices("cpu")[0])
+        if weight_format == "fp8" and cfg.weight_format != "fp8":
+            raise CheckpointError(f"{d}: holds bf16 weights; weight_format 'fp8' would need requantization")
+        params, nodes = split_tables(params)
+        key = host_tables.content_key("orbax", str(d.resolve()), (d / "dsv41_config.json").stat().st_mtime_ns)
+        tables = host_tables.from_arrays(cfg, nodes, opts, key)
+        for leaf in jax.tree.leaves(nodes):
+            leaf.delete()
+        return cfg, params, tables
     raise CheckpointError(f"{d}: neither an HF checkpoint (config.json + model.safetensors.index.json) nor an "
                           "Orbax one (dsv41_config.json + params/)")

@@ -117,12 +117,21 @@ def read_config(directory) -> ModelConfig:
 
 
 def restore_orbax(directory, *, mesh=None, expert_axis: str | None = None,
-                  concurrent_gb: int | None = None, parallel=None) -> tuple[ModelConfig, dict]:
+                  concurrent_gb: int | None = None, parallel=None, table_device=None) -> tuple[ModelConfig, dict]:
     """(cfg, params) as saved; leaves placed per `checkpoints.sharding` (mesh or default device; `parallel`:
-    an engine layout's rules), read by Orbax straight into each device's shard."""
+    an engine layout's rules), read by Orbax straight into each device's shard. `table_device` (a CPU
+    device): the Engram tables are read into host memory there instead (host tables)."""
     d = Path(directory).absolute()
     cfg = read_config(d)
     target = abstract_sharded(cfg, mesh, expert_axis, parallel)
+    if table_device is not None:
+        from jax.sharding import SingleDeviceSharding
+
+        from checkpoints.tree import map_with_path
+
+        host = SingleDeviceSharding(table_device)
+        target = map_with_path(lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+                               if p[0] == "engram" and p[2] == "embed" else a, target)
     ck = _checkpointer(concurrent_gb)
     if not (d / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{d / PARAMS_DIR}: missing Orbax checkpoint directory")

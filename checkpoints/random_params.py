@@ -31,6 +31,7 @@ from jax import lax
 from checkpoints.sharding import leaf_sharding
 from checkpoints.tree import flat, unflat
 from dsv41_jax.config import ModelConfig
+from dsv41_jax.engram_rows import drop_tables
 from dsv41_jax.params import Tensor, _init_tensor, abstract_params, tensor_specs
 
 CHUNK_ELEMENTS = 2 ** 28
@@ -79,10 +80,13 @@ def _bundle(cfg: ModelConfig, items):
     return fn
 
 
-def plan(cfg: ModelConfig, chunk_elements: int = CHUNK_ELEMENTS):
-    """[(kind, [(index, path, Tensor)], chunk rows)]: bundles of small tensors and single chunked tensors."""
+def plan(cfg: ModelConfig, chunk_elements: int = CHUNK_ELEMENTS, tables: bool = True):
+    """[(kind, [(index, path, Tensor)], chunk rows)]: bundles of small tensors and single chunked tensors
+    (`tables=False`: without the Engram tables; every other tensor keeps its key and values)."""
     groups, cur, size = [], [], 0
     for i, (path, t) in enumerate(tensor_specs(cfg).items()):
+        if not tables and t.fmt == "table":
+            continue
         c = chunk_rows(t, chunk_elements)
         if c is not None:
             groups.append(("chunked", [(i, path, t)], c))
@@ -99,9 +103,9 @@ def plan(cfg: ModelConfig, chunk_elements: int = CHUNK_ELEMENTS):
 
 
 @functools.cache
-def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: int, parallel=None):
+def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: int, parallel=None, tables=True):
     """The jitted program of one plan group (cached: a new seed reuses it)."""
-    kind, items, c = plan(cfg, chunk_elements)[group]
+    kind, items, c = plan(cfg, chunk_elements, tables)[group]
     if kind == "chunked":
         fn = _chunked(cfg, items[0][1], items[0][2], c)
     else:
@@ -117,13 +121,14 @@ def _program(cfg: ModelConfig, group: int, mesh, expert_axis, chunk_elements: in
 
 
 def random_init(cfg: ModelConfig, seed: int = 0, mesh=None, expert_axis: str | None = None, *,
-                chunk_elements: int = CHUNK_ELEMENTS, parallel=None) -> dict:
-    """`parallel` (a dsv41_jax.sharding.Parallel): place every leaf by that layout's rules on `mesh`."""
+                chunk_elements: int = CHUNK_ELEMENTS, parallel=None, tables: bool = True) -> dict:
+    """`parallel` (a dsv41_jax.sharding.Parallel): place every leaf by that layout's rules on `mesh`.
+    `tables=False`: no Engram table (host tables: checkpoints.host_tables.from_random makes them)."""
     keys = jax.random.split(jax.random.key(seed), len(tensor_specs(cfg)))
     leaves = {}
-    for g, (kind, items, _) in enumerate(plan(cfg, chunk_elements)):
+    for g, (kind, items, _) in enumerate(plan(cfg, chunk_elements, tables)):
         idx = np.array([i for i, _, _ in items])
-        prog = _program(cfg, g, mesh, expert_axis, chunk_elements, parallel)
+        prog = _program(cfg, g, mesh, expert_axis, chunk_elements, parallel, tables)
         leaves.update(prog(keys[idx[0]] if kind == "chunked" else keys[idx]))
-    specs = abstract_params(cfg)
+    specs = abstract_params(cfg) if tables else drop_tables(abstract_params(cfg))
     return unflat(specs, {p: leaves[_name(p)] for p in flat(specs)})

@@ -85,10 +85,13 @@ def abstract_sharded(cfg: ModelConfig, mesh: Mesh | None = None, expert_axis: st
 
 
 def place(cfg: ModelConfig, params: dict, mesh: Mesh, parallel: logical.Parallel) -> dict:
-    """Move parameters onto `mesh` with the layout's shardings (leaves already placed so are untouched)."""
-    target = param_shardings(cfg, mesh, parallel=parallel)
-    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s), params,
-                        target)
+    """Move parameters onto `mesh` with the layout's shardings (leaves already placed so are untouched). The
+    tree may be a part of the parameters (host Engram tables: no table leaves)."""
+    def put(path, x):
+        s = leaf_sharding(cfg, path, x.shape, mesh, parallel=parallel)
+        return x if getattr(x, "sharding", None) == s else jax.device_put(x, s)
+
+    return map_with_path(put, params)
 
 
 def module_shardings(model, mesh: Mesh | None = None, expert_axis: str | None = None,

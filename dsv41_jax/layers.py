@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax import quant
+from dsv41_jax import engram_rows, quant
 from dsv41_jax.params import expert_weight, is_quantized, lin_weight
 from dsv41_jax.weights import materialize
 
@@ -206,10 +206,13 @@ def engram_lookup(cfg, p, ids):
     return rows.astype(cdtype(cfg)).reshape(*ids.shape[:-1], -1)
 
 
-def engram(cfg, p, h, ids, lin=linear):
-    """h [..., hc, D]; ids [..., n_cols] -> h + gate_c * value per hc copy (gate normalised per copy)."""
+def engram(cfg, p, h, ids, lin=linear, rows=None):
+    """h [..., hc, D]; ids [..., n_cols] -> h + gate_c * value per hc copy (gate normalised per copy).
+    `rows`: the table rows already gathered on the host (uint8 [..., n_cols, row_bytes], dsv41_jax.engram_rows)
+    instead of `ids` (then `p` needs no table)."""
     hc, D = cfg.hc_mult, cfg.dim
-    kv = lin(cfg, p["wkv"], engram_lookup(cfg, p, ids))
+    emb = engram_lookup(cfg, p, ids) if rows is None else engram_rows.decode_rows(cfg, rows, cdtype(cfg))
+    kv = lin(cfg, p["wkv"], emb)
     key = kv[..., :hc * D].astype(F32).reshape(*kv.shape[:-1], hc, D)
     value = kv[..., hc * D:].astype(F32)
     w = p["q_weight"].astype(F32) * p["k_weight"].astype(F32)

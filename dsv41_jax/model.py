@@ -51,7 +51,8 @@ F32 = jnp.float32
 
 # ----------------------------------------------------------------------------- typed inputs / outputs
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["tokens", "engram_ids", "pos0", "n_valid", "enc_clip", "dec_clip", "write_from"], meta_fields=[])
+         data_fields=["tokens", "engram_ids", "pos0", "n_valid", "enc_clip", "dec_clip", "write_from", "engram_rows"],
+         meta_fields=[])
 @dataclass(frozen=True)
 class ChunkInputs:
     """The per-call arrays of one chunk step (B sequences x T rows; rows >= n_valid[b] are padding)."""
@@ -62,6 +63,9 @@ class ChunkInputs:
     enc_clip: jax.Array  # [B] int32 SWA clip of the encoder band (replay_start)
     dec_clip: jax.Array  # [B] int32 SWA clip of the decoder band
     write_from: jax.Array  # [B] int32 global-KV groups starting below this position are not (re)written
+    # host Engram tables (dsv41_jax.engram_rows): per Engram layer the rows gathered on the host, uint8
+    # [B, T, n_cols, row_bytes], used instead of engram_ids (None: the tables are parameters on the device)
+    engram_rows: tuple | None = None
 
     @staticmethod
     def make(tokens, engram_ids=None, *, pos0=0, n_valid=None, enc_clip=0, dec_clip=0, write_from=0):
@@ -297,10 +301,15 @@ def _tap(cfg, feats, h, l):
     return feats.at[:, :, jnp.where(slot < 0, feats.shape[2], slot)].set(m, mode="drop")
 
 
-def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram_ids, forced: dict | None, feats=None):
+def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram, forced: dict | None, feats=None):
     h, pre, state, shared, aux = carry
     if seg.engram_slot >= 0:
-        h = ops.engram(ex, cfg, params["engram"][seg.engram_slot], h, engram_ids[:, :, seg.engram_slot])
+        ids, gathered = engram
+        e = seg.engram_slot
+        if gathered is not None:  # host tables: rows gathered outside the program
+            h = ops.engram(ex, cfg, params["engram"][e], h, None, rows=gathered[e])
+        else:
+            h = ops.engram(ex, cfg, params["engram"][e], h, ids[:, :, e])
         carry = (h, pre, state, shared, aux)
     n = len(seg.firsts)
     xs = {"first": jnp.asarray(seg.firsts, jnp.int32), "slot": jnp.asarray(seg.slots, jnp.int32)}
@@ -344,7 +353,7 @@ def _shared_init(cfg, ex, state, B, T, ratio):
             "src": jnp.zeros((), jnp.int32)}
 
 
-def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, forced, feats=None):
+def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram, forced, feats=None):
     if len({s.ratio for s in segs if s.ratio}) > 1:
         raise ValueError("every compressed segment of a band must share one compress ratio")
     B, T = h.shape[:2]
@@ -356,7 +365,7 @@ def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram_ids, force
             ratio = seg.ratio
             shared = _shared_init(cfg, ex, state, B, T, ratio)
         (h, pre, state, shared, aux), r, feats = _run_segment(cfg, ex, seg, params, (h, pre, state, shared, aux),
-                                                               rows, engram_ids, forced, feats)
+                                                               rows, engram, forced, feats)
         rec.update(r)
     return h, pre, state, aux, rec, feats
 
@@ -384,7 +393,7 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     if features and cfg.dspark_target_layer_ids:
         feats = jnp.zeros((B, T, len(cfg.dspark_target_layer_ids), cfg.dim), dt)
     h, pre, state, aux, rec, feats = _run_band(cfg, ex, enc, params, h, pre, state, StepAux.zeros(), rows,
-                                               inp.engram_ids, forced_topk, feats)
+                                               (inp.engram_ids, inp.engram_rows), forced_topk, feats)
     if not dec:
         start = jnp.zeros((B,), jnp.int32)
     else:

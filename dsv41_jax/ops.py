@@ -355,8 +355,9 @@ def grouped_out_proj(ex: ExecContext, cfg, w, o):
     return _grouped_out_proj_local(ex)(cfg, w, o)
 
 
-def engram(ex: ExecContext, cfg, p, h, ids):
-    return layers.engram(cfg, p, h, ids, lin=lin(ex))
+def engram(ex: ExecContext, cfg, p, h, ids, rows=None):
+    """`rows`: host-gathered table rows instead of `ids` (dsv41_jax.engram_rows)."""
+    return layers.engram(cfg, p, h, ids, lin=lin(ex), rows=rows)
 
 
 # ----------------------------------------------------------------------------- mHC

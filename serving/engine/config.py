@@ -26,6 +26,7 @@ from dsv41_jax.ops import (
     pallas_config_problems,
 )
 from dsv41_jax.sharding import A2A_CHOICES, Parallel, check_layout
+from serving.engine.engram_host import OFFLOAD_THRESHOLD_GIB, EngramConfig
 
 KERNELS = ("auto", *KERNEL_CHOICES)  # --kernels
 EXECUTIONS = ("compiled", "eager")  # --execution
@@ -162,8 +163,15 @@ class EngineArgs:
     dp_load_cap: int = field(default=0, metadata=cli(
         "a returning session stays on its rank until that rank holds this many more requests than the least "
         "loaded one (0: max_num_seqs)", group=_P))
+    engram_config: str | dict | None = field(default=None, metadata=cli(
+        'Engram tables, as JSON with vLLM\'s keys: {"cpu_offload": true} keeps them in host memory (one copy per '
+        "host in /dev/shm, huge pages where the OS allows), rows gathered by host threads and copied to the GPU "
+        "before each step (serving/engine/engram_host.py; other keys: use_thp, dp_shared_memory, shm_dir, "
+        f"keep_shared, gather_threads, prefetch, offload_threshold_gib). Default: host memory for tables over "
+        f"{OFFLOAD_THRESHOLD_GIB:g} GiB (the full model's 189 GiB), the device otherwise", metavar="JSON"))
     force_mesh: bool = False  # run the sharded programs even on one device (a mesh of size 1; benchmarks)
     parallel: Parallel | None = None  # resolved from the flags above (do not set)
+    engram: EngramConfig | None = None  # resolved from engram_config (do not set)
 
     def resolved(self, cfg) -> EngineArgs:
         """Fill derived defaults and validate against the model config."""
@@ -182,6 +190,7 @@ class EngineArgs:
             a.kernels = auto_kernels(a, cfg)
         check_kernels(a.kernels)  # names the ops without a Pallas version; never a silent fallback
         a.parallel = _layout(a, cfg)
+        a.engram = EngramConfig.parse(a.engram_config).resolved(cfg)
         if a.dp_load_cap < 0:
             raise ValueError("dp_load_cap must be >= 0")
         if not a.dp_load_cap:

@@ -44,12 +44,14 @@ import numpy as np
 
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.engram_hash import EngramHasher
+from dsv41_jax.engram_rows import drop_tables
 from dsv41_jax.kv_format import pages_for
 from serving.engine.block_hash import BLOCK
 from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
+from serving.engine.engram_host import EngramFeeder, load_host_model, tables_to_host
 from serving.engine.host_tier import HostTier
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
@@ -57,7 +59,7 @@ from serving.engine.request import FINISHED, Request
 from serving.engine.runner import Runner
 from serving.engine.scheduler import Scheduler
 from serving.engine.snapshots import SnapshotIndex
-from serving.engine.step_io import DECODE, PendingOutputs, ProgramKey, StepOutputs
+from serving.engine.step_io import DECODE, PREFILL, PendingOutputs, ProgramKey, StepOutputs
 from serving.engine.types import RequestOutput, SamplingParams
 
 log = logging.getLogger("serving.engine")
@@ -145,9 +147,10 @@ class EngineInspect:
 class Engine:
     def __init__(self, model="tiny", args: EngineArgs | None = None, *, params=None, tokenizer=None,
                  token_map=None, progress: bool = True, served_model_name: str | None = None, programs=None,
-                 weight_format: str | None = None, **engine_kw):
+                 weight_format: str | None = None, engram_tables=None, **engine_kw):
         """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used.
-        `weight_format` goes to the checkpoint loader (None: as stored)."""
+        `weight_format` goes to the checkpoint loader (None: as stored). `engram_tables`: host Engram tables
+        already built (checkpoints.host_tables.HostTables; with `params` that hold none)."""
         args = args or EngineArgs(**engine_kw)
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
             use_compilation_cache(args.compilation_cache_dir, args.execution)
@@ -156,10 +159,20 @@ class Engine:
         if known is not None:  # flags checked and the mesh built before any weight is made
             args = args.resolved(known)
             mesh = make_mesh(args)
-        if params is None:
+        host_eng = known is not None and args.engram.cpu_offload  # host Engram tables (engram_host.py)
+        if host_eng and jax.process_count() > 1:
+            raise ValueError("--engram-config cpu_offload is not supported in a multi-host run")
+        if params is None and host_eng:
+            cfg, params, engram_tables = load_host_model(model, args.seed, weight_format, mesh, args.parallel,
+                                                         args.engram)
+        elif params is None:
             cfg, params = load_model(model, args.seed, weight_format, mesh=mesh, parallel=args.parallel)
         else:
             cfg = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
+            if host_eng and engram_tables is None:
+                params, engram_tables = tables_to_host(cfg, params, args.engram)
+            elif host_eng:
+                params = drop_tables(params)
         self.cfg = cfg
         self.args = args if known is not None else args.resolved(cfg)  # known: cfg read without its weights
         if mesh is None:
@@ -182,6 +195,12 @@ class Engine:
         self.metrics.set("compiled_programs", self.runner.compile_count)
         self.metrics.set("snapshot_bytes", sum(v for k, v in self.runner.pool_bytes().items() if k.startswith("snap")))
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        self.engram = None  # host Engram tables: the row feeder
+        if self.runner.engram_row_bytes:
+            e = self.args.engram
+            self.engram = EngramFeeder(cfg, engram_tables, self.hasher, self.runner.put_engram_rows, self.metrics,
+                                       gather_threads=e.gather_threads, prefetch=e.prefetch,
+                                       max_spans=4 * self.args.max_num_seqs * self.runner.n_ranks + 16)
         self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
         self.pool, self.scheduler, self.snapshots = self.ranks[0].pool, self.ranks[0].scheduler, self.ranks[0].snapshots
@@ -326,6 +345,8 @@ class Engine:
                          "tracked": len(self.requests)},
             "metrics": self.metrics.snapshot(),
         }
+        if self.engram is not None:
+            out["engram_host_tables"] = self.engram.tables.describe()
         par = self.args.parallel
         if par is not None:
             out["parallel"] = {
@@ -373,6 +394,10 @@ class Engine:
 
     def _dispatch(self, plans: list[ChunkPlan]) -> _InFlight:
         inflight = _InFlight()
+        if self.engram is not None:  # prompt chunks' Engram rows: gathered while the decode call is dispatched
+            for p in plans:
+                if not p.is_decode:
+                    self.engram.prefetch(p.req, p.pos0, p.n, self.runner.bucket(PREFILL, p.n))
         if self.host_tier is not None:  # pages restored from host memory, before any program reads them
             self._guarded(inflight, [], self.host_tier.flush)  # a failure: the pools are checked (rebuilt)
         for p in plans:
@@ -454,6 +479,8 @@ class Engine:
                         self._finish(req, "length")
                     else:
                         self._append(req, out, call.row(i))
+            if self.engram is not None:  # the next decode rows' Engram rows, gathered while this step goes on
+                self.engram.prefetch_decode([p.req for p in call.plans if p.sample and p.req.status != FINISHED])
         return touched
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
@@ -491,6 +518,9 @@ class Engine:
         """Host-side progress once a chunk is dispatched: positions, decoder clip, prefix-cache pages."""
         self._rank_of(p.req).scheduler.advance(p)
         self._publish(p.req)
+        if self.engram is not None and not p.is_decode and p.end < len(p.req.tokens):  # the next chunk's rows
+            n = min(p.n, len(p.req.tokens) - p.end)
+            self.engram.prefetch(p.req, p.end, n, self.runner.bucket(PREFILL, n))
 
     def _run_chunks(self, plans: list[ChunkPlan], rows: list[int]) -> PendingOutputs | None:
         """One prefill call: at most one chunk per rank (row = rank), all of one program kind."""
@@ -498,17 +528,23 @@ class Engine:
         inp = self.runner.inputs(key)
         for row, p in zip(rows, plans):
             self._fill_row(inp, row, p)
-        pending = self.runner.run(key, inp)
+        pending = self.runner.run(key, self._engram_rows(inp, rows, plans))
         for p in plans:
             self._advance(p)
         return pending
+
+    def _engram_rows(self, inp, rows: list[int], plans: list[ChunkPlan]):
+        """Host Engram tables: the call's rows gathered and on the device (no-op with device tables)."""
+        if self.engram is None:
+            return inp
+        return self.engram.inputs(inp, [(row, p.req, p.pos0, p.n) for row, p in zip(rows, plans)])
 
     def _run_decode(self, plans: list[ChunkPlan], bucket: int, rows: list[int]) -> PendingOutputs | None:
         key = ProgramKey(DECODE, bucket)
         inp = self.runner.inputs(key)
         for row, p in zip(rows, plans):
             self._fill_row(inp, row, p)
-        pending = self.runner.run(key, inp)
+        pending = self.runner.run(key, self._engram_rows(inp, rows, plans))
         for p in plans:
             self._advance(p)
         return pending
@@ -582,6 +618,8 @@ class Engine:
             self._rank_of(req).scheduler.finish(req, reason)
             if req.end_session:
                 self.end_session(req.session_id)
+            if self.engram is not None:
+                self.engram.forget(req.request_id)
         req.out.finish_reason = reason
         self.metrics.finished(reason)
         if reason != "abort":

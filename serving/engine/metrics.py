@@ -12,6 +12,7 @@ import threading
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
+FINE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)  # sub-ms
 
 
 class Histogram:
@@ -47,11 +48,18 @@ class Metrics:
         "offload_dropped_pages": ("dsv41:kv_offload_dropped_pages",
                                   "Host-memory pages dropped by the --kv-offloading-size LRU bound"),
         "requests_aborted": ("dsv41:request_aborted", "Requests aborted"),
+        "engram_rows": ("dsv41:engram_rows_gathered", "Host Engram tables: table rows gathered on the host"),
+        "engram_prefetch_misses": ("dsv41:engram_prefetch_misses",
+                                   "Host Engram tables: program rows not prefetched (gathered at dispatch)"),
     }
     HISTOGRAMS = {
         "ttft": ("vllm:time_to_first_token_seconds", "Time to first token"),
         "itl": ("vllm:inter_token_latency_seconds", "Inter-token latency"),
         "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency"),
+        "engram_lookup": ("dsv41:engram_lookup_seconds", "Host Engram tables: host time to hash, gather and copy "
+                          "one program call's rows to the device", FINE_BUCKETS),
+        "engram_wait": ("dsv41:engram_wait_seconds", "Host Engram tables: time a step waited for its rows before "
+                        "dispatch", FINE_BUCKETS),
     }
     GAUGES = {
         "running": ("vllm:num_requests_running", "Requests running"),
@@ -71,7 +79,7 @@ class Metrics:
         self.counters = {k: 0 for k in self.COUNTERS}
         self.counters["requests_finished"] = 0  # non-aborted (rendered per reason as vllm:request_success_total)
         self.finished_by_reason = {r: 0 for r in self.FINISHED_REASONS}
-        self.hist = {k: Histogram() for k in self.HISTOGRAMS}
+        self.hist = {k: Histogram(*v[2:]) for k, v in self.HISTOGRAMS.items()}
         self.gauges = {k: 0.0 for k in self.GAUGES}
 
     def inc(self, key: str, v: float = 1):
@@ -110,7 +118,7 @@ class Metrics:
                     for r, v in self.finished_by_reason.items()]
             for k, (name, doc) in self.GAUGES.items():
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{lab}}} {float(self.gauges[k])}"]
-            for k, (name, doc) in self.HISTOGRAMS.items():
+            for k, (name, doc, *_) in self.HISTOGRAMS.items():
                 h = self.hist[k]
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
                 cum = 0

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from dsv41_jax import ops
+from dsv41_jax.engram_rows import drop_tables, row_format
 from dsv41_jax.kv_cache import CompressorCarry, KVState, PagedGlobal, PagedKV, PageLayout
 from dsv41_jax.kv_format import swa_entry_bytes
 from dsv41_jax.model import step_impl
@@ -94,8 +95,13 @@ class Runner:
         self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels, mesh=mesh,
                               parallel=self.par)
         self.swa_layout = ops.swa_layout(self.ex)  # how a program holds the rings (kv_cache.SwaRings / SwaPool)
+        # host Engram tables (serving/engine/engram_host.py): no table among the parameters; programs take rows
+        host_eng = getattr(args, "engram", None) is not None and args.engram.cpu_offload
+        self.engram_row_bytes = row_format(cfg).row_bytes if host_eng else 0
         if mesh is not None:
             self.param_specs = param_partition_specs(cfg, self.par, mesh)
+            if host_eng:
+                self.param_specs = drop_tables(self.param_specs)
             if not abstract:
                 from checkpoints.sharding import place
 
@@ -159,9 +165,11 @@ class Runner:
         device counts this host does not have)."""
         from dsv41_jax.params import abstract_params
 
-        abs_p = abstract_params(cfg)
+        host_eng = getattr(args, "engram", None) is not None and args.engram.cpu_offload
+        abs_p = drop_tables(abstract_params(cfg)) if host_eng else abstract_params(cfg)
         if mesh is not None:
             specs = param_partition_specs(cfg, args.parallel, mesh)
+            specs = drop_tables(specs) if host_eng else specs
             abs_p = jax.tree.map(lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                     sharding=NamedSharding(mesh, sp)), abs_p, specs)
         return cls(cfg, abs_p, args, max_pages, mesh, abstract=True)
@@ -311,11 +319,11 @@ class Runner:
         """Zero-filled host inputs for `key` (the engine fills the rows it uses): n_ranks blocks of the bucket's
         rows, rank r's row i at r * key.batch + i."""
         return StepInputs.host(self.n_ranks * key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
-                               self.cfg.vocab_size, key.all_logits, self.S)
+                               self.cfg.vocab_size, key.all_logits, self.S, self.engram_row_bytes)
 
     def _abstract_inputs(self, key: ProgramKey):
         inp = StepInputs.abstract(self.n_ranks * key.batch, key.tokens, self.max_pages, self.n_eng, self.n_cols,
-                                  self.cfg.vocab_size, key.all_logits)
+                                  self.cfg.vocab_size, key.all_logits, self.engram_row_bytes)
         if self.mesh is None:
             return inp
         spec = P(DATA) if self.dp else P()
@@ -414,6 +422,17 @@ class Runner:
                 self.pools = fn(self.pools, src, dst)
         else:
             self.pools = fn(self.pools, src, dst)
+
+    def put_engram_rows(self, bufs: list[np.ndarray]) -> list:
+        """Host Engram rows (one [rows, T, n_cols, row_bytes] per layer) onto the devices as the programs take
+        them (a copy: the host buffers may be reused once it completed)."""
+        if self.mesh is None:
+            sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        else:
+            sh = NamedSharding(self.mesh, P(DATA) if self.dp else P())
+        if jax.default_backend() == "cpu":  # the CPU client may alias a numpy buffer (even with may_alias=False)
+            bufs = [b.copy() for b in bufs]
+        return [jax.device_put(b, sh, may_alias=False) for b in bufs]
 
     # ------------------------------------------------------------------ host tier (serving.engine.host_tier)
     @staticmethod

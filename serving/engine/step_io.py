@@ -74,22 +74,26 @@ class StepInputs:
 
     @staticmethod
     def host(B: int, T: int, max_pages: int, n_engram: int, n_cols: int, vocab: int, all_logits: bool,
-             scratch_slot: int):
+             scratch_slot: int, engram_row_bytes: int = 0):
         """Default host (numpy) inputs for B rows of T tokens (greedy, unconstrained); padding rows use the
-        scratch slot."""
+        scratch slot. `engram_row_bytes` > 0: host Engram tables, the programs take gathered rows (one uint8
+        [B, T, n_cols, row_bytes] per Engram layer; serving.engine.engram_host fills them) instead of ids."""
         i32, f32 = np.int32, np.float32
-        ids = np.zeros((B, T, n_engram, n_cols), i32) if n_engram else None
+        ids = np.zeros((B, T, n_engram, n_cols), i32) if n_engram and not engram_row_bytes else None
+        rows = tuple(np.zeros((B, T, n_cols, engram_row_bytes), np.uint8) for _ in range(n_engram)) \
+            if n_engram and engram_row_bytes else None
         chunk = ChunkInputs(np.zeros((B, T), i32), ids, np.zeros(B, i32), np.zeros(B, i32), np.zeros(B, i32),
-                            np.zeros(B, i32), np.zeros(B, i32))
+                            np.zeros(B, i32), np.zeros(B, i32), rows)
         samp = SamplingInputs(np.zeros(B, f32), np.full(B, -1, i32), np.ones(B, f32), np.zeros(B, f32),
                               np.zeros(B, np.uint32), np.zeros(B, i32), np.full((B, mask_words(vocab)), ALL_BITS),
                               np.zeros((B, T), i32) if all_logits else None)
         return StepInputs(np.full(B, scratch_slot, i32), np.zeros((B, max_pages), i32), chunk, samp)
 
     @staticmethod
-    def abstract(B: int, T: int, max_pages: int, n_engram: int, n_cols: int, vocab: int, all_logits: bool):
+    def abstract(B: int, T: int, max_pages: int, n_engram: int, n_cols: int, vocab: int, all_logits: bool,
+                 engram_row_bytes: int = 0):
         """The same structure as `host` with jax.ShapeDtypeStruct leaves (for AOT lowering)."""
-        ex = StepInputs.host(B, T, max_pages, n_engram, n_cols, vocab, all_logits, 0)
+        ex = StepInputs.host(B, T, max_pages, n_engram, n_cols, vocab, all_logits, 0, engram_row_bytes)
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ex)
 
 

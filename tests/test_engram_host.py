@@ -1,0 +1,257 @@
+"""Host Engram tables (--engram-config cpu_offload; serving/engine/engram_host.py, checkpoints/host_tables.py): the
+gathered-row path gives exactly the device path's outputs, the tables never reach a device, one host copy is shared,
+and bad table tensors are rejected before anything is served."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import host_tables
+from checkpoints.safetensors_io import CheckpointError
+from dsv41_jax import engram_rows, layers
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.params import _init_tensor, init_params, tensor_specs
+from serving.engine import Engine, EngineArgs, SamplingParams
+from serving.engine.config import SMALL_ENGINE_ARGS, shared_cache_dir
+from serving.engine.engram_host import EngramConfig
+
+pytestmark = pytest.mark.timeout(600)
+ARGS = dict(SMALL_ENGINE_ARGS, enable_prompt_logprobs=False, compilation_cache_dir=shared_cache_dir())
+HOST = {"cpu_offload": True, "dp_shared_memory": False}
+
+
+def packed(cfg, params):
+    """Each Engram table of `params` in the host row format."""
+    fmt = engram_rows.row_format(cfg)
+    return [engram_rows.pack_rows(fmt, np.asarray(p["embed"]["weight"]),
+                                  np.asarray(p["embed"]["scale"]) if "scale" in p["embed"] else None)
+            for p in params["engram"]]
+
+
+# ---------------------------------------------------------------------------------------------- the row format
+def table_node(cfg, seed=0):
+    """An Engram table leaf node of `cfg` (its init, without building the whole model)."""
+    path = ("engram", 0, "embed")
+    t = tensor_specs(cfg)[path]
+    vals = jax.jit(lambda k: _init_tensor(cfg, k, t, path))(jax.random.key(seed))
+    return {k[-1]: v for k, v in vals.items()}
+
+
+@pytest.mark.parametrize("preset,fmt", [("tiny", "fp8"), ("tiny", "bf16"), ("small", "fp8"), ("medium", "bf16")])
+def test_gathered_rows_decode_to_the_device_lookup(preset, fmt):
+    """Rows of 33 B (tiny fp8), 64 B (tiny bf16), 66 B (small), 512 B (medium): the in-program decoding of gathered
+    rows equals the device table lookup bit for bit."""
+    cfg = ModelConfig.preset(preset, weight_format=fmt)
+    if preset == "medium":  # its table (482K rows) is too big for this test: a table of the same row format
+        cfg = cfg.replace(engram_num_embeddings=(4099, 4099))
+    node = table_node(cfg)
+    fmt_ = engram_rows.row_format(cfg)
+    t = engram_rows.pack_rows(fmt_, np.asarray(node["weight"]), np.asarray(node["scale"]) if "scale" in node else None)
+    ids = np.random.default_rng(0).integers(0, cfg.engram_rows[0], (2, 5, cfg.engram_layout.n_cols))
+    want = jax.jit(lambda p, i: layers.engram_lookup(cfg, p, i))({"embed": node}, ids)
+    got = jax.jit(lambda r: engram_rows.decode_rows(cfg, r, layers.cdtype(cfg)))(jnp.asarray(t[ids]))
+    assert np.isfinite(np.asarray(want, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    w, s = engram_rows.unpack_rows(fmt_, t)
+    np.testing.assert_array_equal(w.view(np.uint8), np.asarray(node["weight"]).view(np.uint8))
+    assert (s is None) == (fmt == "bf16")
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def cfg2(tiny):
+    """tiny with a second Engram layer (layers 1 and 3): two host tables, two row inputs per program."""
+    return tiny.replace(engram_layer_ids=(1, 3))
+
+
+@pytest.fixture(scope="module")
+def engines(cfg2):
+    """Device tables (parameters built on the device) and host tables (the same config's random init: every other
+    weight on the device, the tables generated on the host with the same values, never on a device)."""
+    dev = Engine(cfg2, EngineArgs(**ARGS), params=jax.jit(lambda: init_params(cfg2, 0))(), progress=False)
+    host = Engine(cfg2, EngineArgs(**ARGS, engram_config=HOST), progress=False)
+    return dev, host
+
+
+def generate(eng, prompts, n=6, concurrent=True):
+    out = {}
+    for i, p in enumerate(prompts):
+        rid = f"g{np.random.randint(1 << 30)}-{i}"
+        out[rid] = {"ids": [], "lps": [], "cached": 0}
+        eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1))
+        if not concurrent:
+            _drain(eng, out)
+    _drain(eng, out)
+    return list(out.values())
+
+
+def _drain(eng, out):
+    for o in eng.run_until_done():
+        r = out[o.request_id]
+        r["ids"] += o.new_token_ids
+        r["lps"] += [d[t] for d, t in zip(o.new_logprobs or [], o.new_token_ids)]
+        r["cached"] = o.num_cached_tokens
+
+
+def test_prefill_and_batched_decode_equal_device_tables(engines):
+    dev, host = engines
+    rng = np.random.default_rng(0)
+    for lens in ((150, 40, 9, 129, 65), (190, 104, 57)):  # 2 chunks, 1 chunk, shorter than W; batched decodes
+        prompts = [rng.integers(0, 512, n).tolist() for n in lens]
+        a, b = generate(dev, prompts), generate(host, prompts)
+        assert [r["ids"] for r in a] == [r["ids"] for r in b]
+        assert [r["lps"] for r in a] == [r["lps"] for r in b]  # bit-identical logprobs
+    m = host.metrics.snapshot()
+    assert m["histograms"]["engram_lookup"]["count"] > 0 and m["histograms"]["engram_wait"]["count"] > 0
+    assert m["counters"]["engram_rows"] > 0
+    text = host.metrics.prometheus()
+    assert "dsv41:engram_lookup_seconds_count" in text and "dsv41:engram_wait_seconds_bucket" in text
+    assert dev.metrics.snapshot()["histograms"]["engram_lookup"]["count"] == 0
+
+
+def test_warm_turn_replay_across_the_hit_boundary_equals_device_tables(engines):
+    """Turn 2 hits the cached prefix; bounded replay restarts W tokens before the hit's end, so the first replayed
+    rows' Engram look-back reaches into tokens that are not recomputed."""
+    dev, host = engines
+    rng = np.random.default_rng(1)
+    p1, extra = rng.integers(0, 512, 150).tolist(), rng.integers(0, 512, 30).tolist()
+    res = []
+    for eng in (dev, host):
+        first = generate(eng, [p1], n=4)[0]
+        second = generate(eng, [p1 + first["ids"] + extra])[0]
+        assert second["cached"] > 0
+        res.append((first, second))
+    assert res[0] == res[1]
+
+
+def test_tables_never_enter_device_memory(engines, cfg2):
+    dev, host = engines
+    r = host.runner
+    assert all("embed" not in p for p in r.params["engram"]) and "embed" in dev.runner.params["engram"][0]
+    rows = set(cfg2.engram_rows)
+    dev_tables = jax.tree.leaves([p["embed"] for p in dev.runner.params["engram"]])
+    for a in jax.live_arrays():  # only the device engine's tables have a table's shape
+        if a.shape and a.shape[0] in rows:
+            assert any(a is x for x in dev_tables), a.shape
+    fmt = engram_rows.row_format(cfg2)
+    for key in r.programs:  # every program's arguments: no table, and one gathered-rows input per Engram layer
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(r.programs[key].args_info)]  # the compiled programs
+        assert not any(s and s[0] in rows for s in shapes), (key, shapes)
+        assert shapes.count((key.batch, key.tokens, cfg2.engram_layout.n_cols, fmt.row_bytes)) == 2
+    assert host.stats()["engram_host_tables"]["bytes"] == sum(engram_rows.table_bytes(cfg2))
+
+
+def test_config_flag_and_default_threshold():
+    assert EngramConfig.parse('{"cpu_offload": true}').cpu_offload is True
+    with pytest.raises(ValueError, match="unknown key"):
+        EngramConfig.parse('{"cpu_ofload": true}')
+    with pytest.raises(ValueError, match="JSON"):
+        EngramConfig.parse("{cpu_offload}")
+    assert EngramConfig().resolved(ModelConfig.preset("full")).cpu_offload  # 189 GiB: host memory by default
+    assert not EngramConfig().resolved(ModelConfig.preset("medium")).cpu_offload  # 0.5 GiB: the device
+    assert sum(engram_rows.table_bytes(ModelConfig.preset("full"))) == (384006168 + 384016682) * (256 + 8)
+    from serving.run import build_parser
+
+    a = build_parser().parse_args(["--engram-config", json.dumps({"cpu_offload": True})])
+    assert EngramConfig.parse(a.engram_config).cpu_offload
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def test_one_shared_copy_per_host(tiny, tmp_path):
+    opts = host_tables.StoreOptions(shm_dir=str(tmp_path))
+    a = host_tables.from_random(tiny, 5, opts)
+    b = host_tables.from_random(tiny, 5, opts)  # a second user maps the file, does not fill it again
+    assert a.created and not b.created and a.path == b.path and os.path.exists(a.path)
+    np.testing.assert_array_equal(a.arrays[0], b.arrays[0])
+    assert not b.arrays[0].flags.writeable
+    code = ("import sys; import numpy as np; from checkpoints import host_tables; from dsv41_jax.config import "
+            "ModelConfig; t = host_tables.from_random(ModelConfig.preset('tiny'), 5, host_tables.StoreOptions("
+            "shm_dir=sys.argv[1])); print(int(t.created), int(t.arrays[0].astype(np.int64).sum()))")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["0", str(int(a.arrays[0].astype(np.int64).sum()))]  # another process: the same copy
+    want = packed(tiny, jax.jit(lambda: init_params(tiny, 5))())[0]
+    np.testing.assert_array_equal(a.arrays[0], want)  # the device init's values
+    a.close()
+    assert os.path.exists(b.path)  # b still uses it
+    path = b.path
+    b.close()
+    assert not os.path.exists(path)  # the last user removed it
+    with open(path, "wb") as f:  # a damaged file under the final name is rejected, never used
+        f.write(b"DSV41ENG" + bytes(100))
+    with pytest.raises(ValueError, match="does not match"):
+        host_tables.from_random(tiny, 5, opts)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tiny, tiny_params, tmp_path_factory):
+    from checkpoints.make_hf import write_hf
+
+    d = tmp_path_factory.mktemp("hf")
+    write_hf(tiny, tiny_params, d / "ckpt", shard_size_mb=0.05)
+    return d / "ckpt"
+
+
+def _table_location(d):
+    from checkpoints.hf_manifest import inspect
+
+    man = inspect(d)
+    (wn, _), = host_tables.table_tensors(man, man.cfg)
+    return man.tensors[wn]
+
+
+def test_hf_tables_read_straight_into_host_memory(tiny, tiny_params, hf_dir):
+    import checkpoints
+
+    cfg, params, tables = checkpoints.load(hf_dir, host_tables=host_tables.StoreOptions(shared=False))
+    assert "embed" not in params["engram"][0]
+    np.testing.assert_array_equal(tables.arrays[0], packed(tiny, tiny_params)[0])
+    tables.close()
+
+
+def test_bad_or_truncated_table_shards_are_rejected_before_serving(hf_dir, tmp_path):
+    import shutil
+
+    loc = _table_location(hf_dir)
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    shard = bad / loc.path.name
+    with open(shard, "r+b") as f:  # row 7 of the table gets an E4M3 NaN code
+        f.seek(loc.info.start + 7 * loc.info.shape[1] + 3)
+        f.write(b"\x7f")
+    args = EngineArgs(**ARGS, engram_config=HOST)
+    with pytest.raises(CheckpointError, match=r"row 7 holds a NaN"):
+        Engine(str(bad), args, progress=False)
+    cut = tmp_path / "cut"
+    shutil.copytree(hf_dir, cut)
+    os.truncate(cut / loc.path.name, loc.info.start + 10)  # the shard ends inside the table
+    with pytest.raises(CheckpointError, match="truncated"):
+        Engine(str(cut), args, progress=False)
+
+
+def test_data_parallel_programs_take_rank_blocks_of_rows(cfg2):
+    """DEP2 (lowered on an abstract mesh, no devices needed): every rank gets its block of each call's rows."""
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax.sharding import Parallel
+    from serving.engine.runner import Runner
+    from serving.engine.step_io import DECODE, ProgramKey
+
+    par = Parallel("dp", 2, ep=True, a2a="padded")
+    args = EngineArgs(**ARGS)
+    args.parallel, args.engram, args.kernels, args.num_pages = par, EngramConfig(cpu_offload=True), "xla", 33
+    r = Runner.for_lowering(cfg2, args, 4, par.abstract_mesh())
+    key = ProgramKey(DECODE, 8)
+    shape = (16, 1, cfg2.engram_layout.n_cols, engram_rows.row_format(cfg2).row_bytes)  # 2 ranks x 8 rows
+    rows = r._abstract_inputs(key).chunk.engram_rows
+    assert [x.shape for x in rows] == [shape, shape] and all(x.sharding.spec == P("data") for x in rows)
+    assert r.inputs(key).chunk.engram_rows[0].shape == shape and r.inputs(key).chunk.engram_ids is None
+    text = r.lower(key, platforms=("cpu",)).as_text()
+    assert text.count(f"tensor<16x1x{shape[2]}x{shape[3]}xui8>") >= 2  # the rows are arguments of the program
