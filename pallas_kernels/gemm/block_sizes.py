@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 NUM_SMS = 132  # H200
 DECODES = ("bf16x2", "convert", "fp8")  # FP8 weight paths: bf16 decoders (kernel.py), FP8 x FP8 dot (fp8_kernel.py)
 TARGET_PROGRAMS = 2 * NUM_SMS
+FP8_LAYOUT = "official"  # the FP8 linears' byte layout the kernels read (checkpoints/kernel_layout.py)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from pallas_kernels.gemm.block_sizes import NUM_SMS, fp8_rows, pow2_divisor
 LAYOUTS = ("official", "tiled")
 DECODES = ("bf16x2", "e4m3", "fp8")
 MXFP4_LAYOUT = "official"  # the byte layout the default blocks read (checkpoints/kernel_layout.py converts to it)
+TILED_BK = 256  # the k tile a "tiled" MXFP4 weight is laid out for (blocks reading it use this bk)
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,11 @@ def _splits(programs: int, ksteps: int, target: int) -> int:
     return s
 
 
-def tuned_moe_block(M: int, N: int, K: int, active: int, fused: bool, x_fp8: bool) -> MoeBlock | None:
+def tuned_moe_block(M: int, N: int, K: int, active: int, fused: bool, x_fp8: bool,
+                    layout: str = MXFP4_LAYOUT) -> MoeBlock | None:
     kind = "swiglu" if fused else "gmm"
     keys = sorted(m for (k, n, kk, m), b in TUNED.items() if (k, n, kk) == (kind, N, K) and m >= M
-                  and (x_fp8 or b.decode != "fp8"))
+                  and (x_fp8 or b.decode != "fp8") and b.layout == layout)
     if not keys:
         return None
     blk = TUNED[(kind, N, K, keys[0])]
@@ -80,14 +82,14 @@ def pick_moe_block(M: int, N: int, K: int, *, fp4: bool, active: int | None = No
     num_warps / num_stages may be forced (bench sweeps); fused: the w1/w3 kernel (two weight streams); x_fp8: x
     comes as FP8 codes (FP8-dot blocks qualify). The tuned block of (kernel, N, K, M) if any, else heuristics."""
     active = active or min(M, 384)
-    if fp4 and bn is None and bk is None and layout == MXFP4_LAYOUT:
-        blk = tuned_moe_block(M, N, K, active, fused, x_fp8)
+    if fp4 and bn is None and bk is None:
+        blk = tuned_moe_block(M, N, K, active, fused, x_fp8, layout)
         if blk is not None:
             return blk
     rows_per_expert = M / max(1, active)
     bm = 16 if rows_per_expert <= 16 else (32 if rows_per_expert <= 32 else 64)
     bn = bn or pow2_divisor(N, 64 if bm <= 32 else 128)
-    bk = bk or pow2_divisor(K, 256 if fp4 else 128, 64 if fp4 else 32)
+    bk = bk or (TILED_BK if layout == "tiled" else pow2_divisor(K, 256 if fp4 else 128, 64 if fp4 else 32))
     splits = 1
     if fp4 and not fused:
         splits = _splits(active * (N // bn), K // bk, 2 * NUM_SMS)
