@@ -67,15 +67,22 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def fp8_rows(blk, rows: int):
-    """An FP8-dot block resized to R = next_pow2(rows) rows per tile, keeping its MMA row count where it can
-    (nb = mma_rows / R, at least 1: R * nb in (16, 32, 64)); None where rows > 64."""
+def fp8_rows(blk, rows: int, K: int):
+    """An FP8-dot block resized to R >= rows rows per tile, keeping its MMA row count where it can (R * nb in
+    (16, 32, 64), 32 * nb | K, bk and splits still tiling K); None where that is impossible (rows > 64)."""
     R = next_pow2(rows)
     if R > 64:
         return None
     mma = max(blk.bm * blk.nb, 16 if R <= 16 else R)
     nb = max(1, mma // R)
-    return replace(blk, bm=R, nb=nb, bk=max(blk.bk, 32 * nb))
+    while nb > 1 and K % (32 * nb):
+        nb //= 2
+    R = mma // nb
+    bk = max(blk.bk, 32 * nb)
+    while bk > 32 * nb and K % (bk * blk.splits):
+        bk //= 2
+    splits = blk.splits if K % (bk * blk.splits) == 0 else 1
+    return None if K % bk else replace(blk, bm=R, nb=nb, bk=bk, splits=splits)
 
 
 def tuned_gemm_block(M: int, N: int, K: int, x_fp8: bool) -> GemmBlock | None:
@@ -83,11 +90,7 @@ def tuned_gemm_block(M: int, N: int, K: int, x_fp8: bool) -> GemmBlock | None:
     if not keys:
         return None
     blk = TUNED[(N, K, keys[0])]
-    if blk.decode == "fp8":
-        blk = fp8_rows(blk, M)
-        if blk is None or K % (blk.bk * blk.splits):
-            return None
-    return blk
+    return fp8_rows(blk, M, K) if blk.decode == "fp8" else blk
 
 
 def pick_gemm_block(M: int, N: int, K: int, *, fp8: bool, bn: int | None = None, bk: int | None = None,

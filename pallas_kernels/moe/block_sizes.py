@@ -10,8 +10,9 @@ Invariants of a MoeBlock for (N, K): bm, bn powers of two >= 16; bk a power of t
 MXFP4 (>= 128 tiled); bn | N; decode "bf16x2" (fp_decode) or "e4m3" (the first decoder, official layout only).
 decode "fp8" (fp8_kernel.py, official layout, x as FP8 codes): bm = R rows per work item (any power of two), nb
 blocks per dot with R * nb in (16, 32, 64), 32 * nb | bk (pallas_kernels/fp8dot.py).
-(A swapped dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
-Triton 3.6 while passing in interpret mode; it is not offered.)
+(A swapped bf16 dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
+Triton 3.6 while passing in interpret mode; it is not offered. The FP8-dot kernels' `swap` writes the transposed
+output tile into an [N, M] buffer instead of transposing in the kernel.)
 Measured on the H200 (bench/weight_gemms.py, bench/results/weight_gemms_h200.json, NOTES.md beside this file): at M
 = 6 rows the defaults below were the fastest of the swept blocks for w1 (bm 16, bn 64, bk 256, 4 warps, 3 stages, 2
 K splits: 33.3 us), w2 (bn 64, bk 256, no split: 29.2 and 28.9 us, the same block timed twice) and the fused w1/w3
@@ -69,8 +70,8 @@ def tuned_moe_block(M: int, N: int, K: int, active: int, fused: bool, x_fp8: boo
         return None
     blk = TUNED[(kind, N, K, keys[0])]
     if blk.decode == "fp8":
-        blk = fp8_rows(blk, -(-M // max(1, active)))
-        if blk is None or blk.bm > 16 or K % (blk.bk * blk.splits):
+        blk = fp8_rows(blk, -(-M // max(1, active)), K)
+        if blk is None or blk.bm > 16:
             return None
     return blk
 
