@@ -1,26 +1,29 @@
-"""The weight GEMMs in the official formats at the full model's shapes, new kernels beside the current ones and XLA.
+"""The weight GEMMs in the official formats at the full model's shapes: every candidate kernel beside the current
+ones and XLA, in one run, with the winner per shape printed for the TUNED tables.
 
-    python -m bench.weight_gemms --out bench/results/weight_gemms_h200.json [--plot PNG] [--smoke]
-        [--sweep-moe M ...] [--sweep-dense M ...] [--only moe|dense] [--iters N]
+    python -m bench.weight_gemms --out bench/results/weight_gemms_h200.json --plot bench/results/weight_gemms_h200.png
+        [--budget 270] [--iters 20] [--only moe|dense] [--threads 8] [--smoke] [--dry-run]
 
-MoE (384 experts, dim 5120, moe_inter 2304, MXFP4): M = 1, 6, 48, 192, 1536 rows (1 row; then 1, 8, 32, 256
-tokens routed top-6 to distinct uniformly random experts), for w1/w3 (the fused `grouped_swiglu`, or two
-`grouped_matmul` calls) and w2. FP8 block-32 dense (wq_a, wq_b, wkv, wo_b, the indexer's wq_b, the shared
-expert's w1 and w2) and the bf16 LM head, at M = 1, 8, 64 (the head at 1, 8). Block sweeps at the M values of
---sweep-moe / --sweep-dense, the default blocks elsewhere.
-
-Each case is checked against the reference (max |y - ref| / max |ref|) before timing. Timing: each call is
-synced, inside one profiler trace; a call's device time is the union of its GPU events (calls are separated
-by the sync); the median over `--iters` calls is reported. Inputs rotate so that L2 (60 MB) cannot serve the
-weights: MoE calls cycle through 8 routings (different experts), dense calls through a stack of layer copies
-(>= 256 MB in all). GB/s counts the packed weight bytes the call must read (active experts' bytes + scales),
-against the 4.3 TB/s copy ceiling. Variants fail one by one (the error is recorded, the rest still run).
---smoke: compile every new kernel at small shapes and compare (the GPU compile smoke test), then exit.
+Groups (bench/weight_gemm_cases.py), in priority order: MXFP4 MoE (384 experts, dim 5120, moe_inter 2304) w1 + w3
++ SwiGLU fused and w2 at M = 6, 48, 1, 192, 1536 rows (top-6 routing of M / 6 tokens to random distinct experts);
+FP8 block-32 dense wq_b, wo_b, shared w13 / w2, wq_a, wkv, indexer wq_b at M = 1, 8 (and 64 for the first four);
+the bf16 LM head at M = 1. Each group: its cases are compiled in parallel threads, run once and compared with the
+XLA reference (max |y - ref| / max |ref|, against each case's tolerance: exact paths 1e-5, FP8 wgmma accumulation
+4e-3, bf16 SwiGLU output 1.6e-2), then timed in one profiler trace: `--iters` synced calls per case, cycling
+through 8 routings / >= 256 MB of layer copies (L2 cannot serve the weights); a call's device time is the union of
+its GPU events; the median is reported. GB/s counts the weight bytes a call must read (active experts' packed
+bytes + scales), against the 4.3 TB/s copy ceiling. FP8-dot cases get x as E4M3 codes + scales (what the model's
+activation quantization produces), the current kernels bf16 x. A failing case records its error and the run goes
+on; `--budget` seconds stops starting new groups (the file and table still come out).
+Output: JSON rows (device, date, commit, command), a PNG, the TUNED lines of the winners, a short table last.
+--smoke: every kernel family at small shapes against its reference (interpret mode on CPU), then exit.
+--dry-run: the whole run (groups, parallel compiles, checks, timing, report) at tiny shapes, for the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import json
 import statistics
@@ -30,22 +33,13 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gemm import GemmBlock, matmul
-from pallas_kernels.gemm.block_sizes import pick_gemm_block
-from pallas_kernels.moe import MoeBlock, grouped_matmul, grouped_swiglu, pick_moe_block
-from pallas_kernels.moe.kernel import swiglu_rows
+from bench import weight_gemm_cases as wc
 
-E, TOPK, D, INTER = 384, 6, 5120, 2304
-MOE_MS = (1, 6, 48, 192, 1536)
-DENSE = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
-         "idx_wq_b": (4096, 1280), "shared_w13": (2304, 5120), "shared_w2": (5120, 2304)}
-HEAD = (129280, 5120)
-DENSE_MS = (1, 8, 64)
 CEIL = 4300.0
-ROUTINGS = 8
+CASE_GAP_S, CALL_GAP_S = 0.02, 2e-4  # host sleeps between cases / calls inside one trace
+CASE_SPLIT_NS, CALL_SPLIT_NS = 8_000_000, 100_000  # device idle gaps that separate them
 
 
 # ----------------------------------------------------------------------------- timing
@@ -55,42 +49,62 @@ def _gpu_spans(d):
                   for ln in p.lines for e in ln.events if e.duration_ns > 0)
 
 
-def time_calls(fn, arg_sets, iters: int) -> dict:
-    """Median device time per call (us) over `iters` synced calls cycling through arg_sets; wall median too."""
-    for a in arg_sets[:2]:
-        jax.block_until_ready(fn(*a))
-    walls = []
+def _split(spans, gap_ns):
+    """Spans (sorted by start) -> groups separated by device idle gaps > gap_ns."""
+    out, cur, end = [], [], None
+    for s, e in spans:
+        if cur and s > end + gap_ns:
+            out.append(cur)
+            cur, end = [], None
+        cur.append((s, e))
+        end = e if end is None else max(end, e)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _busy_us(spans) -> float:
+    busy, s0, e0 = 0.0, None, None
+    for s, e in spans:
+        if s0 is None:
+            s0, e0 = s, e
+        elif s > e0:
+            busy += e0 - s0
+            s0, e0 = s, e
+        else:
+            e0 = max(e0, e)
+    return (busy + (e0 - s0 if s0 is not None else 0)) / 1e3
+
+
+def time_group(runs) -> list[dict]:
+    """runs: [(compiled fn, arg_sets, n_iters)] -> per run {dev_us (median device time per call), wall_us}."""
+    walls = [[] for _ in runs]
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            for i in range(iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-                walls.append(time.perf_counter() - t0)
-                time.sleep(2e-4)  # a gap between calls on the device timeline
+            for i, (fn, arg_sets, n) in enumerate(runs):
+                for it in range(n):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(*arg_sets[it % len(arg_sets)]))
+                    walls[i].append(time.perf_counter() - t0)
+                    time.sleep(CALL_GAP_S)
+                time.sleep(CASE_GAP_S)
         finally:
             jax.profiler.stop_trace()
         spans = _gpu_spans(d)
-    calls, cur = [], None
-    for s, e in spans:  # union of intervals, split where the device idled > 50 us (between synced calls)
-        if cur is None:
-            cur = [s, e, 0.0]
-        elif s > cur[1] + 50_000:
-            calls.append(cur[2] + cur[1] - cur[0])
-            cur = [s, e, 0.0]
-        elif s > cur[1]:
-            cur[2] += cur[1] - cur[0]
-            cur[0], cur[1] = s, e
-        else:
-            cur[1] = max(cur[1], e)
-    if cur is not None:
-        calls.append(cur[2] + cur[1] - cur[0])
-    per = sorted(c / 1e3 for c in calls)
-    wall = statistics.median(walls) * 1e6
-    if not per:  # no device plane in the trace (CPU): wall time
-        return {"dev_us": wall, "calls_seen": 0, "wall_us": wall}
-    med = statistics.median(per) if len(per) == iters else sum(per) / iters
-    return {"dev_us": med, "calls_seen": len(per), "wall_us": wall}
+    segs = _split(spans, CASE_SPLIT_NS)
+    out = []
+    for i, (_, _, n) in enumerate(runs):
+        row = {"wall_us": statistics.median(walls[i]) * 1e6}
+        if len(segs) == len(runs):
+            calls = [_busy_us(c) for c in _split(segs[i], CALL_SPLIT_NS)]
+            row["calls_seen"] = len(calls)
+            if len(calls) == n:
+                row["dev_us"] = statistics.median(calls)
+        if "dev_us" not in row:  # no usable device trace (CPU, or the segmentation failed): wall time
+            row["dev_us"], row["timing"] = row["wall_us"], "wall"
+        out.append(row)
+    return out
 
 
 def rel_err(y, ref) -> float:
@@ -100,248 +114,138 @@ def rel_err(y, ref) -> float:
     return float(np.max(np.abs(y - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-def _emit(rows, row):
-    rows.append(row)
-    print("ROW", json.dumps(row), file=sys.stderr, flush=True)  # a run cut short keeps its rows in the log
+# ----------------------------------------------------------------------------- one group
+def _compile(case):
+    t0 = time.perf_counter()
+    c = jax.jit(case.fn).lower(*case.arg_sets[0]).compile()
+    return c, time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------- inputs
-def routing_sizes(M: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if M < TOPK:
-        return np.bincount(rng.permutation(E)[:M], minlength=E).astype(np.int32)
-    idx = np.stack([rng.permutation(E)[:TOPK] for _ in range(M // TOPK)])
-    return np.bincount(idx.reshape(-1), minlength=E).astype(np.int32)
-
-
-def fp4_weights(key, N, K):
-    """Random bytes (every code) and scales 118..125 (|w| up to ~0.2, as the checkpoint's experts)."""
-    k1, k2 = jax.random.split(key)
-    w = jax.random.randint(k1, (E, N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    s = jax.random.randint(k2, (E, N, K // 32), 118, 126, jnp.int32).astype(jnp.uint8)
-    return w, jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
-
-
-def qdq_rows(key, M, K):
-    """Activations as the model feeds the experts: FP8 UE8M0/32-representable bf16."""
-    from dsv41_jax import quant
-
-    return quant.fp8_qdq(jax.random.normal(key, (M, K), jnp.float32), 32).astype(jnp.bfloat16)
-
-
-# ----------------------------------------------------------------------------- MoE
-def moe_variants(M: int, N: int, K: int, quick: bool):
-    """(name, block) candidates for grouped_matmul on [M rows, N, K]; 'current' = the kernel before this work."""
-    cur = pick_moe_block(M, N, K, fp4=True, active=min(M, E))
-    out = [("current", MoeBlock(cur.bm, cur.bn, cur.bk, 4, 3, decode="e4m3"))]
-    base = pick_moe_block(M, N, K, fp4=True, active=min(M, E))
-    out.append(("new-default", base))
-    if quick:
-        return out
-    bm = base.bm
-    for bn, bk, w, st, s1 in ((64, 256, 4, 3, False), (64, 256, 4, 4, False), (128, 256, 8, 3, False),
-                              (64, 512, 4, 3, False), (32, 256, 4, 4, False), (128, 256, 4, 3, True),
-                              (64, 128, 4, 5, False), (64, 256, 8, 4, True)):
-        if N % bn or K % bk:
-            continue
-        blk = pick_moe_block(M, N, K, fp4=True, active=min(M, E), bn=bn, bk=bk, num_warps=w, num_stages=st)
-        S = 1 if s1 else blk.splits
-        out.append((f"bn{bn}-bk{bk}-w{w}-s{st}-S{S}", MoeBlock(bm, bn, bk, w, st, S)))
-    return out
-
-
-def swiglu_variants(M: int, quick: bool):
-    base = pick_moe_block(M, INTER, D, fp4=True, active=min(M, E), fused=True)
-    out = [("fused-default", base)]
-    if quick:
-        return out
-    for bn, bk, w, st, S in ((32, 256, 4, 3, 1), (64, 256, 4, 3, 2), (32, 256, 4, 3, 4), (64, 256, 8, 3, 1),
-                             (16, 256, 4, 4, 1), (32, 512, 4, 3, 1), (64, 256, 4, 4, 1)):
-        out.append((f"fused-bn{bn}-bk{bk}-w{w}-s{st}-S{S}", MoeBlock(base.bm, bn, bk, w, st, S)))
-    return out
-
-
-def bench_moe(args, rows):
-    """Weights travel as jit arguments (closing over them would embed GBs of constants in the program)."""
-    keys = jax.random.split(jax.random.key(0), 4)
-    w1, s1 = fp4_weights(keys[0], INTER, D)
-    w3, s3 = fp4_weights(keys[1], INTER, D)
-    w2, s2 = fp4_weights(keys[2], D, INTER)
-    W = jax.block_until_ready((w1, s1, w3, s3, w2, s2))
-    per_expert = INTER * D // 2 + INTER * D // 32  # w1, w3 and w2 alike
-
-    def gm(which, blk=None, impl="pallas"):
-        def f(x, g, rw, W):
-            w, s = (W[0], W[1]) if which == "w1" else (W[4], W[5])
-            return grouped_matmul(x, w, g, scale=s, block=blk, implementation=impl)
-        return f
-
-    def sw(blk=None, impl="pallas"):
-        def f(x, g, rw, W):
-            return grouped_swiglu(x, W[0], W[2], g, rw, scale1=W[1], scale3=W[3], limit=10.0, block=blk,
-                                  implementation=impl)
-        return f
-
-    def two_calls(blk):  # the current kernel twice + the activation in XLA (the model path before)
-        def f(x, g, rw, W):
-            g1 = grouped_matmul(x, W[0], g, scale=W[1], block=blk)
-            u = grouped_matmul(x, W[2], g, scale=W[3], block=blk)
-            return swiglu_rows(g1, u, rw[:, None], 10.0, jnp.bfloat16).astype(jnp.bfloat16)
-        return f
-
-    for M in MOE_MS:
-        gss = [jnp.asarray(routing_sizes(M, r)) for r in range(ROUTINGS)]
-        active = float(np.mean([(np.asarray(g) > 0).sum() for g in gss]))
-        x13, x2 = qdq_rows(keys[3], M, D), qdq_rows(keys[3], M, INTER)
-        rw = jax.random.uniform(keys[3], (M,), jnp.float32, 0.05, 1.0)
-        b1 = active * per_expert
-        refs = {"w1": jax.jit(gm("w1", impl="xla"))(x13, gss[0], rw, W),
-                "w2": jax.jit(gm("w2", impl="xla"))(x2, gss[0], rw, W),
-                "w13+swiglu": jax.jit(sw(impl="xla"))(x13, gss[0], rw, W)}
-        quick = M not in args.sweep_moe
-        cases = []
-        if M in (6, 48):
-            cases.append(("w1", "xla", None, gm("w1", impl="xla"), x13, b1))
-        for name, blk in moe_variants(M, INTER, D, quick):
-            cases.append(("w1", name, blk, gm("w1", blk), x13, b1))
-        for name, blk in moe_variants(M, D, INTER, quick):
-            cases.append(("w2", name, blk, gm("w2", blk), x2, b1))
-        cur13 = [b for n, b in moe_variants(M, INTER, D, True) if n == "current"][0]
-        cases.append(("w13+swiglu", "current x2 + xla swiglu", cur13, two_calls(cur13), x13, 2 * b1))
-        for name, blk in swiglu_variants(M, quick):
-            cases.append(("w13+swiglu", name, blk, sw(blk), x13, 2 * b1))
-        for mat, name, blk, f, x, nbytes in cases:
-            row = {"kind": "moe", "matrix": mat, "M": M, "variant": name, "block": repr(blk), "bytes": nbytes,
-                   "active_experts": active}
+def run_group(cases, ref_fn, ref_args, info: dict, a, rows):
+    ref = np.asarray(jax.jit(ref_fn)(*ref_args), np.float64)
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.threads)) as pool:
+        futs = [pool.submit(_compile, c) for c in cases]
+        compiled = []
+        for case, f in zip(cases, futs):
             try:
-                fj = jax.jit(f)
-                row["rel_err"] = rel_err(fj(x, gss[0], rw, W), refs[mat])
-                row.update(time_calls(fj, [(x, g, rw, W) for g in gss], 4 if name == "xla" else args.iters))
-                row["gbs"] = nbytes / row["dev_us"] / 1e3
-            except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the others still run
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-                traceback.print_exc()
-            _emit(rows, row)
-        del refs
-
-
-# ----------------------------------------------------------------------------- dense
-def dense_variants(M, N, K, fp8: bool, quick: bool):
-    cur = pick_gemm_block(M, N, K, fp8=fp8)
-    out = [("current", GemmBlock(cur.bm, cur.bn, cur.bk, cur.splits, cur.num_warps, cur.num_stages,
-                                 decode="convert"))]
-    if not fp8:
-        return out
-    out.append(("new-default", cur))
-    if quick:
-        return out
-    for bn, bk, w, st, sw in ((64, 256, 4, 3, True), (128, 256, 4, 3, True), (64, 512, 4, 3, False),
-                              (128, 128, 4, 4, True), (32, 512, 4, 3, False)):
-        if N % bn or K % bk:
-            continue
-        b = pick_gemm_block(M, N, K, fp8=True, bn=bn, bk=bk, num_warps=w, num_stages=st)
-        out.append((f"bn{bn}-bk{bk}-w{w}-s{st}-S{b.splits}{'-swap' if sw else ''}",
-                    GemmBlock(b.bm, bn, bk, b.splits, w, st, swap=sw)))
-    return out
-
-
-def bench_dense(args, rows):
-    from dsv41_jax import quant
-
-    shapes = [(n, nk, True) for n, nk in DENSE.items()] + [("head_bf16", HEAD, False)]
-    for name, (N, K), fp8 in shapes:
-        nbytes = N * K * (1 if fp8 else 2) + (N // 32) * (K // 32) * fp8
-        L = max(2, -(-256 * 2 ** 20 // nbytes))
-        k1, k2 = jax.random.split(jax.random.key(1))
-        if fp8:
-            w = jax.random.normal(k1, (L, N, K), jnp.float32) * 0.02
-            q, s = jax.jit(quant.quantize_weight_fp8)(w)
-            del w
-        else:
-            q, s = (jax.random.normal(k1, (L, N, K), jnp.float32) * 0.02).astype(jnp.bfloat16), None
-        for M in DENSE_MS if fp8 else (1, 8):
-            x = qdq_rows(k2, M, K)
-            layers = [jnp.int32(i) for i in range(L)]
-            ref = jax.jit(lambda x, l, q, s: matmul(x, q, scale=s, layer=l, implementation="xla"))(x, layers[0], q, s)
-            variants = [("xla", None)] + dense_variants(M, N, K, fp8, M not in args.sweep_dense)
-            for vname, blk in variants:
-                row = {"kind": "dense", "matrix": name, "M": M, "variant": vname, "block": repr(blk),
-                       "bytes": nbytes}
+                compiled.append(f.result())
+            except Exception:  # noqa: BLE001 - retried alone (a thread-safety problem must not lose the case)
                 try:
-                    impl = "xla" if blk is None else "pallas"
-                    fj = jax.jit(lambda x, l, q, s, blk=blk, impl=impl: matmul(x, q, scale=s, layer=l, block=blk,
-                                                                             implementation=impl))
-                    row["rel_err"] = rel_err(fj(x, layers[0], q, s), ref)
-                    row.update(time_calls(fj, [(x, lyr, q, s) for lyr in layers], args.iters))
-                    row["gbs"] = nbytes / row["dev_us"] / 1e3
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-                    traceback.print_exc()
-                _emit(rows, row)
+                    compiled.append(_compile(case))
+                except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the others still run
+                    compiled.append(exc)
+    runs, live = [], []
+    for case, comp in zip(cases, compiled):
+        row = {"kind": case.kind, "matrix": case.matrix, "M": case.M, "variant": case.variant,
+               "block": repr(case.block), "bytes": case.nbytes, "tol": case.tol, **info}
+        if case.key is not None:
+            row["tuned_key"] = list(case.key)
+        if isinstance(comp, Exception):
+            row["error"] = f"compile: {type(comp).__name__}: {str(comp)[:400]}"
+            rows.append(row)
+            continue
+        fn, row["compile_s"] = comp[0], round(comp[1], 2)
+        try:
+            row["rel_err"] = rel_err(fn(*case.arg_sets[0]), ref)
+            row["ok"] = case.variant == "xla" or row["rel_err"] <= case.tol
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"run: {type(exc).__name__}: {str(exc)[:400]}"
+            traceback.print_exc()
+            rows.append(row)
+            continue
+        runs.append((fn, case.arg_sets, min(a.iters, 4) if case.variant == "xla" and case.kind == "moe" else a.iters))
+        live.append(row)
+    # the XLA reference gets a trace of its own: a long multi-kernel call must not disturb the others' segmentation
+    parts = [[i for i, r in enumerate(live) if r["variant"] == "xla"], [i for i, r in enumerate(live)
+                                                                          if r["variant"] != "xla"]]
+    for part in parts:
+        try:
+            for i, t in zip(part, time_group([runs[i] for i in part]) if part else []):
+                live[i].update(t)
+                live[i]["gbs"] = live[i]["bytes"] / live[i]["dev_us"] / 1e3
+        except Exception as exc:  # noqa: BLE001
+            for i in part:
+                live[i]["error"] = f"timing: {type(exc).__name__}: {str(exc)[:300]}"
+            traceback.print_exc()
+    for row in live:
+        rows.append(row)
+        print("ROW", json.dumps(row), file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- smoke
-def smoke():
-    """Compile the new kernels at small shapes on the GPU and compare with their references."""
-    from dsv41_jax import quant
+def groups(a):
+    """(label, builder) in priority order (a run out of budget keeps the first ones): MoE at decode sizes, the
+    large dense GEMMs at M = 1 / 8, MoE at 1 / 192 / 1536 rows, the small dense ones, M = 64, the head."""
+    W, cache = None, {}
 
-    ok = True
-    k = jax.random.split(jax.random.key(3), 4)
-    e, n, kk = 8, 256, 512
-    w = jax.random.normal(k[0], (3, e, n, kk)) * jnp.exp2(jax.random.randint(k[1], (3, e, n, kk // 32, 1), -5, 3)
-                                                          ).repeat(32, -1).reshape(3, e, n, kk)
-    p, s = quant.quantize_weight_fp4(w)
-    gs = jnp.asarray([3, 0, 21, 1, 0, 9, 0, 2], jnp.int32)
-    x = qdq_rows(k[2], 40, kk)
-    rw = jax.random.uniform(k[3], (40,), jnp.float32, 0.1, 1.0)
-    ref = grouped_matmul(x, p, gs, scale=s, layer=1, implementation="xla")
-    for blk in (None, MoeBlock(16, 64, 256, splits=2), MoeBlock(16, 32, 128, 8, 4)):
-        err = rel_err(grouped_matmul(x, p, gs, scale=s, layer=1, block=blk), ref)
-        ok &= err < 1e-5
-        print(f"smoke grouped_matmul {blk}: rel_err {err:.2e}", flush=True)
-    refh = grouped_swiglu(x, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, implementation="xla")
-    for blk in (None, MoeBlock(16, 64, 256, splits=2)):
-        err = rel_err(grouped_swiglu(x, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, block=blk), refh)
-        ok &= err < 2 ** -7
-        print(f"smoke grouped_swiglu {blk}: rel_err {err:.2e}", flush=True)
-    q, sq = quant.quantize_weight_fp8(jax.random.normal(k[0], (2, 256, 512)) * jnp.exp2(
-        jax.random.randint(k[1], (2, 8, 1, 16, 1), -6, 4)).repeat(32, 2).repeat(32, 4).reshape(2, 256, 512))
-    for M in (1, 5, 40):
-        xm = qdq_rows(k[2], M, 512)
-        r = matmul(xm, q, scale=sq, layer=1, implementation="xla")
-        for blk in (None, GemmBlock(16, 64, 128, 2, swap=True)):
-            err = rel_err(matmul(xm, q, scale=sq, layer=1, block=blk), r)
-            ok &= err < 1e-5
-            print(f"smoke matmul fp8 M={M} {blk}: rel_err {err:.2e}", flush=True)
-    print("SMOKE", "OK" if ok else "FAILED", flush=True)
-    return ok
+    def moe(matrix, M):
+        def build():
+            nonlocal W
+            W = W or wc.MoeWeights()
+            return wc.moe_group(W, matrix, M, with_xla=(M == 6 and matrix == "w2"))
+        return (f"moe {matrix} M={M}", build)
+
+    def dense(matrix, M):
+        def build():
+            if matrix not in cache:
+                cache.clear()
+                N, K = wc.HEAD if matrix == "head_bf16" else wc.DENSE[matrix]
+                cache[matrix] = wc.dense_weights(N, K, fp8=matrix != "head_bf16")
+            return wc.dense_group(matrix, M, cache[matrix])
+        return (f"dense {matrix} M={M}", build)
+
+    moe_ms = [M for M in wc.MOE_MS if M in (6, 48)], [M for M in wc.MOE_MS if M not in (6, 48)]
+    big = [m for m in wc.DENSE if m in wc.DENSE_M64]
+    small = [m for m in wc.DENSE if m not in wc.DENSE_M64]
+    low, high = [M for M in wc.DENSE_MS if M < 64], [M for M in wc.DENSE_MS if M >= 64]
+    out = []
+    if a.only in ("", "moe"):
+        out += [moe(mat, M) for M in moe_ms[0] for mat in ("w13+swiglu", "w2")]
+    if a.only in ("", "dense"):
+        out += [dense(mat, M) for mat in big for M in low]
+    if a.only in ("", "moe"):
+        out += [moe(mat, M) for M in moe_ms[1] for mat in ("w13+swiglu", "w2")]
+    if a.only in ("", "dense"):
+        out += [dense(mat, M) for mat in small for M in low] + [dense(mat, M) for mat in big for M in high]
+        out.append(dense("head_bf16", 1))
+    return out
 
 
 # ----------------------------------------------------------------------------- report
-def best_rows(rows):
-    best = {}
-    for r in rows:
-        if "error" in r or "gbs" not in r:
+def best(rows, pred):
+    r = [x for x in rows if x.get("ok") and "gbs" in x and pred(x)]
+    return max(r, key=lambda x: x["gbs"]) if r else None
+
+
+def winners(rows) -> list[dict]:
+    """Per (kind, matrix, M): the fastest correct case, with the TUNED line to paste."""
+    out = []
+    for k in sorted({(r["kind"], r["matrix"], r["M"]) for r in rows}):
+        w = best(rows, lambda x, k=k: (x["kind"], x["matrix"], x["M"]) == k and x["variant"] != "xla")
+        if w is None:
             continue
-        key = (r["kind"], r["matrix"], r["M"], "xla" if r["variant"] == "xla" else
-               ("current" if r["variant"].startswith("current") else "new"))
-        if key not in best or r["gbs"] > best[key]["gbs"]:
-            best[key] = r
-    return best
+        if w["variant"] == "current" or "tuned_key" not in w:
+            line = None
+        else:
+            table = "pallas_kernels/moe/block_sizes.py" if k[0] == "moe" else "pallas_kernels/gemm/block_sizes.py"
+            note = " (reads MXFP4_LAYOUT = 'tiled' weights)" if "layout='tiled'" in w["block"] else ""
+            line = f"TUNED[{tuple(w['tuned_key'])!r}] = {w['block']}  # {table}{note}"
+        out.append({"kind": k[0], "matrix": k[1], "M": k[2], "variant": w["variant"], "gbs": w["gbs"], "line": line})
+    return out
 
 
-def table(rows):
-    best = best_rows(rows)
-    keys = sorted({k[:3] for k in best}, key=lambda k: (k[0], k[1], k[2]))
-    lines = [f"{'case':24s} {'M':>5s} {'xla GB/s':>9s} {'cur GB/s':>9s} {'new GB/s':>9s} {'new us':>8s} "
-             f"{'%ceil':>5s} {'err':>8s}  best new variant"]
+def table(rows) -> str:
+    keys = sorted({(r["kind"], r["matrix"], r["M"]) for r in rows})
+    lines = [f"{'case':22s} {'M':>5s} {'xla':>6s} {'cur':>6s} {'best':>6s} {'us':>8s} {'%ceil':>5s} {'err':>8s}  "
+             "best variant (GB/s)"]
     for k in keys:
-        g = {v: best.get((*k, v)) for v in ("xla", "current", "new")}
-        f = lambda r: "-" if r is None else f"{r['gbs']:.0f}"  # noqa: E731
-        n = g["new"]
-        lines.append(f"{k[0] + '/' + k[1]:24s} {k[2]:5d} {f(g['xla']):>9s} {f(g['current']):>9s} {f(n):>9s} "
+        sel = lambda v, k=k: best(rows, lambda x: (x["kind"], x["matrix"], x["M"]) == k and v(x["variant"]))  # noqa
+        x, c, n = sel(lambda v: v == "xla"), sel(lambda v: v == "current"), sel(lambda v: v != "xla")
+        g = lambda r: "-" if r is None else f"{r['gbs']:.0f}"  # noqa: E731
+        lines.append(f"{k[0] + ' ' + k[1]:22s} {k[2]:5d} {g(x):>6s} {g(c):>6s} {g(n):>6s} "
                      + ("" if n is None else f"{n['dev_us']:8.1f} {100 * n['gbs'] / CEIL:5.0f} "
                         f"{n.get('rel_err', float('nan')):8.1e}  {n['variant']}"))
+    bad = [r for r in rows if "error" in r or not r.get("ok", True)]
+    lines.append(f"{len(rows)} cases, {len(bad)} failed or out of tolerance")
     return "\n".join(lines)
 
 
@@ -351,17 +255,20 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = best_rows(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
     for ax, kind in zip(axes, ("moe", "dense")):
-        keys = sorted({k[:3] for k in best if k[0] == kind}, key=lambda k: (k[1], k[2]))
-        labels = [f"{k[1]}\nM={k[2]}" for k in keys]
+        keys = sorted({(r["matrix"], r["M"]) for r in rows if r["kind"] == kind})
         xs = np.arange(len(keys))
-        for i, v in enumerate(("xla", "current", "new")):
-            ax.bar(xs + (i - 1) * 0.27, [best[(*k, v)]["gbs"] if (*k, v) in best else 0 for k in keys], 0.27,
-                   label=v)
+        for i, (label, pred) in enumerate((("xla", lambda v: v == "xla"), ("current", lambda v: v == "current"),
+                                           ("best new", lambda v: v not in ("xla", "current")))):
+            vals = []
+            for k in keys:
+                b = best(rows, lambda x, k=k, p=pred: x["kind"] == kind and (x["matrix"], x["M"]) == k
+                         and p(x["variant"]))
+                vals.append(0 if b is None else b["gbs"])
+            ax.bar(xs + (i - 1) * 0.27, vals, 0.27, label=label)
         ax.axhline(CEIL, color="k", ls="--", lw=1, label="copy ceiling 4.3 TB/s")
-        ax.set_xticks(xs, labels, rotation=90, fontsize=6)
+        ax.set_xticks(xs, [f"{m}\nM={n}" for m, n in keys], rotation=90, fontsize=6)
         ax.set_ylabel("GB/s of weight bytes")
         ax.set_title("MXFP4 MoE (384 experts)" if kind == "moe" else "FP8 block-32 dense / bf16 head")
         ax.legend(fontsize=7)
@@ -369,31 +276,112 @@ def plot(rows, path):
     fig.savefig(path, dpi=130)
 
 
+# ----------------------------------------------------------------------------- smoke
+def smoke() -> bool:
+    """Each kernel family at small shapes against its reference (interpret mode on CPU, compiled on a GPU)."""
+    from dsv41_jax import quant
+    from pallas_kernels.gemm import GemmBlock, matmul
+    from pallas_kernels.moe import MoeBlock, grouped_matmul, grouped_swiglu
+
+    ok = True
+    k = jax.random.split(jax.random.key(3), 4)
+    e, n, kk = 8, 128, 512
+    w = jax.random.normal(k[0], (2, e, n, kk)) * jax.numpy.exp2(
+        jax.random.randint(k[1], (2, e, n, kk // 32, 1), -5, 3)).repeat(32, -1).reshape(2, e, n, kk)
+    p, s = quant.quantize_weight_fp4(w)
+    gs = jax.numpy.asarray([3, 0, 21, 1, 0, 9, 0, 2], jax.numpy.int32)
+    xb, xq, xc = wc.fp8_rows(k[2], 40, kk)
+    rw = jax.random.uniform(k[3], (40,), jax.numpy.float32, 0.1, 1.0)
+    ref = grouped_matmul(xb, p, gs, scale=s, layer=1, implementation="xla")
+    for blk in (None, MoeBlock(16, 64, 256, splits=2), MoeBlock(2, 64, 256, nb=8, decode="fp8", swap=True),
+                MoeBlock(2, 64, 256, 4, 3, 2, decode="fp8", nb=8, swap=True, fast_accum=True),
+                MoeBlock(4, 32, 128, decode="fp8", nb=4)):
+        fp8 = blk is not None and blk.decode == "fp8"
+        y = grouped_matmul(xq if fp8 else xb, p, gs, scale=s, layer=1, block=blk, x_scale=xc if fp8 else None)
+        err, tol = rel_err(y, ref), (wc.TOL_FAST if blk is not None and blk.fast_accum else wc.TOL_EXACT)
+        ok &= err <= tol
+        print(f"smoke grouped_matmul {blk}: rel_err {err:.2e} (tol {tol})", flush=True)
+    refh = grouped_swiglu(xb, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, implementation="xla")
+    for blk in (None, MoeBlock(2, 64, 256, nb=8, decode="fp8", swap=True, fast_accum=True, splits=2)):
+        fp8 = blk is not None
+        h = grouped_swiglu(xq if fp8 else xb, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.0, block=blk,
+                           x_scale=xc if fp8 else None)
+        err = rel_err(h, refh)
+        ok &= err <= wc.TOL_BF16_OUT
+        print(f"smoke grouped_swiglu {blk}: rel_err {err:.2e}", flush=True)
+    q, sq = quant.quantize_weight_fp8(jax.random.normal(k[0], (2, 256, 512)) * jax.numpy.exp2(
+        jax.random.randint(k[1], (2, 8, 1, 16, 1), -6, 4)).repeat(32, 2).repeat(32, 4).reshape(2, 256, 512))
+    fp8_blocks = {1: [GemmBlock(1, 64, 512, decode="fp8", nb=16, swap=True, fast_accum=True),
+                      GemmBlock(2, 32, 256, 2, decode="fp8", nb=8)],
+                  5: [GemmBlock(8, 64, 256, decode="fp8", nb=2, swap=True, fast_accum=True),
+                      GemmBlock(8, 32, 64, 2, decode="fp8", nb=2)],
+                  40: [GemmBlock(64, 64, 128, decode="fp8", nb=1, fast_accum=True),
+                       GemmBlock(64, 64, 64, 2, 4, 3, decode="fp8", nb=1, swap=True)]}
+    for M, fp8_blks in fp8_blocks.items():
+        xb, xq, xc = wc.fp8_rows(k[2], M, 512)
+        r = matmul(xb, q, scale=sq, layer=1, implementation="xla")
+        for blk in [None, GemmBlock(16, 64, 128, 2, swap=True), *fp8_blks]:
+            fp8 = blk is not None and blk.decode == "fp8"
+            y = matmul(xq if fp8 else xb, q, scale=sq, layer=1, block=blk, x_scale=xc if fp8 else None)
+            err, tol = rel_err(y, r), (wc.TOL_FAST if blk is not None and blk.fast_accum else wc.TOL_EXACT)
+            ok &= err <= tol
+            print(f"smoke matmul M={M} {blk}: rel_err {err:.2e} (tol {tol})", flush=True)
+    print("SMOKE", "OK" if ok else "FAILED", flush=True)
+    return bool(ok)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.weight_gemms")
-    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
     ap.add_argument("--plot", default="")
-    ap.add_argument("--sweep-moe", type=int, nargs="*", default=[6, 48], help="M values that try every block")
-    ap.add_argument("--sweep-dense", type=int, nargs="*", default=[8], help="M values that try every block")
-    ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="", help="moe or dense")
+    ap.add_argument("--budget", type=float, default=270.0, help="start no new group after this many seconds")
+    ap.add_argument("--threads", type=int, default=8, help="parallel compiles per group")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="the whole run at tiny shapes (CPU check of the script)")
     a = ap.parse_args(argv)
     if a.smoke:
         return 0 if smoke() else 1
-    rows = []
-    if a.only in ("", "moe"):
-        bench_moe(a, rows)
-    if a.only in ("", "dense"):
-        bench_dense(a, rows)
+    if a.dry_run:
+        wc.E, wc.D, wc.INTER, wc.HEAD, wc.MOE_MS, wc.DENSE_MS = 16, 512, 256, (512, 256), (6, 48), (1, 64)
+        wc.DENSE = {"wq_b": (256, 128), "wkv": (64, 512)}
+        wc.DENSE_M64 = ("wq_b",)
+    t0 = time.perf_counter()
+    rows, skipped = [], []
+    for label, build in groups(a):
+        if time.perf_counter() - t0 > a.budget:
+            skipped.append(label)
+            continue
+        tg = time.perf_counter()
+        try:
+            cases, ref_fn, ref_args, info = build()
+            run_group(cases, ref_fn, ref_args, info, a, rows)
+        except Exception as exc:  # noqa: BLE001 - a group that cannot even be built is recorded
+            rows.append({"kind": label.split()[0], "matrix": label.split()[1], "M": int(label.split("=")[-1]),
+                         "variant": "group", "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+            traceback.print_exc()
+        print(f"group {label}: {time.perf_counter() - tg:.1f} s", file=sys.stderr, flush=True)
+    win = winners(rows)
+    result = {"rows": rows, "winners": win, "copy_ceiling_gbs": CEIL, "skipped_groups": skipped,
+              "elapsed_s": round(time.perf_counter() - t0, 1)}
     if a.out:
         from bench.common import write_result
 
-        write_result(a.out, {"rows": rows, "copy_ceiling_gbs": CEIL},
-                     "python -m bench.weight_gemms " + " ".join(argv if argv is not None else sys.argv[1:]))
+        write_result(a.out, result, "python -m bench.weight_gemms " + " ".join(argv if argv is not None else
+                                                                                sys.argv[1:]))
     if a.plot:
-        plot(rows, a.plot)
+        try:
+            plot(rows, a.plot)
+        except ImportError as exc:  # matplotlib is in the GPU image, not in every environment
+            print(f"# no plot: {exc}")
+    print("# winners (paste into the TUNED tables):")
+    for w in win:
+        print(w["line"] or f"# {w['kind']} {w['matrix']} M={w['M']}: current kernel wins ({w['gbs']:.0f} GB/s)")
+    if skipped:
+        print(f"# out of budget, not run: {skipped}")
     print(table(rows))
+    print(f"elapsed {result['elapsed_s']} s")
     return 0
 
 

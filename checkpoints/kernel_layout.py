@@ -1,17 +1,25 @@
 """Load-time weight layouts for the weight GEMM kernels, and back to the checkpoint's (official) layout.
 
-The official HF layout stays the import / export format (hf_import, hf_layout). The kernels of
-pallas_kernels.moe and pallas_kernels.gemm read it as it is: the MXFP4 decoder (pallas_kernels.fp_decode) emits
-each 32-bit word's 8 codes as two planes in a fixed k order, and the wrappers permute x's columns to match
-(an [M, K] gather, fused by XLA into x's producer). The one alternative layout, `tiled`, moves the nibbles
-instead, once: within each tile of `bk` k values (the kernel's bk), the decoded lo plane is the tile's first
-bk/2 k values in order and the hi plane the last bk/2, so x needs no permutation. FP8 linears have no
-alternative layout (the decoder reads e4m3 bytes as stored; scales stay [N/32, K/32]).
+One layout per GEMM kind (the `fmt` of dsv41_jax.params.tensor_specs), named where the kernels pick their blocks:
 
-    to_tiled_mxfp4(packed [..., N, K/2] uint8, bk) -> tiled bytes (same shape)
-    to_official_mxfp4(tiled, bk) -> packed        (bit-exact inverse; tests/kernels/test_fp_decode_and_layout.py)
+- "exp" (MXFP4 routed experts): `pallas_kernels.moe.block_sizes.MXFP4_LAYOUT`, "official" today. The FP8-dot MoE
+  kernels (pallas_kernels/moe/fp8_kernel.py) read the checkpoint's bytes as they are: a 32-bit word's low nibbles
+  become one E4M3 plane (even k) and its high nibbles another (odd k) with ~5 integer ops per 8 weights, and x is
+  split into even / odd columns to match, so no byte move can make that decode shorter. The bf16 decoder
+  (decode "bf16x2") reads either "official" (x's columns permuted per tile) or "tiled": within each tile of
+  TILED_BK k values the nibbles are moved once so that its two decoded planes come out in k order.
+- "lin" (FP8 block-32 linears): "official" only: the FP8-dot kernels feed the E4M3 bytes to the tensor core as
+  stored and read the [N/32, K/32] scales per 32x32 tile.
 
-Both are pure byte permutations (numpy on the host or jnp on a device, the same code): scales are unchanged.
+The official HF layout stays the import / export format (hf_import, hf_layout, orbax_io save official bytes):
+
+    to_kernel_layout(cfg, params, layouts=None) -> params    (every "exp" / "lin" leaf in its kind's layout)
+    to_official_layout(cfg, params, layouts=None) -> params  (the inverse, bit-exact; before saving / --kernels xla)
+    to_tiled_mxfp4(packed [..., N, K/2] uint8, bk) / to_official_mxfp4(tiled, bk)  (one leaf; numpy or jnp)
+
+A converted tree is for the Pallas kernels only (the XLA reference ops read official bytes): `checkpoints.load(...,
+kernel_layout=True)` converts after loading. Conversions are byte permutations within each row's K / 2 bytes: leaf
+shapes, dtypes and shardings (rows / experts / layers) are kept, scales are untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels.fp_decode import word_nibble_k
+from pallas_kernels.gemm.block_sizes import FP8_LAYOUT
+from pallas_kernels.moe.block_sizes import MXFP4_LAYOUT, TILED_BK
+
+LAYOUTS = {"exp": ("official", "tiled"), "lin": ("official",)}
+
+
+def kernel_layouts() -> dict[str, str]:
+    """The layout each GEMM kind is converted to at load (what the default blocks read)."""
+    return {"exp": MXFP4_LAYOUT, "lin": FP8_LAYOUT}
 
 
 def _xp(a):
@@ -45,7 +62,7 @@ def _check(packed, bk: int):
                          "(a power of two >= 128)")
 
 
-def to_tiled_mxfp4(packed, bk: int = 256):
+def to_tiled_mxfp4(packed, bk: int = TILED_BK):
     """Official packed E2M1 bytes (low nibble = even k) -> the tiled layout for a kernel with this bk."""
     _check(packed, bk)
     xp = _xp(packed)
@@ -56,7 +73,7 @@ def to_tiled_mxfp4(packed, bk: int = 256):
     return _pack(c.reshape(*lead, K)).astype(xp.uint8)
 
 
-def to_official_mxfp4(tiled, bk: int = 256):
+def to_official_mxfp4(tiled, bk: int = TILED_BK):
     """Inverse of `to_tiled_mxfp4`."""
     _check(tiled, bk)
     xp = _xp(tiled)
@@ -65,3 +82,43 @@ def to_official_mxfp4(tiled, bk: int = 256):
     inv = np.argsort(word_nibble_k(bk, "tiled").reshape(-1))
     c = c.reshape(*lead, K // bk, bk)[..., xp.asarray(inv)]
     return _pack(c.reshape(*lead, K)).astype(xp.uint8)
+
+
+_TO = {("exp", "tiled"): to_tiled_mxfp4}
+_FROM = {("exp", "tiled"): to_official_mxfp4}
+
+
+def _convert(cfg, params, layouts, table):
+    """Apply table[(kind, layout)] to the weight leaf of every tensor of that kind (identity where absent),
+    on each leaf's own device(s); returns a new tree (the input's leaves are not modified)."""
+    import jax
+
+    from dsv41_jax.params import tensor_specs
+
+    layouts = kernel_layouts() if layouts is None else layouts
+    for kind, name in layouts.items():
+        if name not in LAYOUTS.get(kind, ()):
+            raise ValueError(f"layout {name!r} for {kind!r}: one of {LAYOUTS.get(kind)}")
+    if cfg.weight_format != "fp8":
+        return params
+    out = jax.tree.map(lambda x: x, params)  # new containers, same leaves
+    for path, t in tensor_specs(cfg).items():
+        fn = table.get((t.fmt, layouts.get(t.fmt, "official")))
+        if fn is None:
+            continue
+        node = out
+        for k in path:
+            node = node[k]
+        w = node["weight"]
+        node["weight"] = jax.jit(fn, out_shardings=getattr(w, "sharding", None))(w)
+    return out
+
+
+def to_kernel_layout(cfg, params, layouts: dict | None = None):
+    """Every GEMM weight of an fp8-format tree in its kind's kernel layout (`kernel_layouts()` by default)."""
+    return _convert(cfg, params, layouts, _TO)
+
+
+def to_official_layout(cfg, params, layouts: dict | None = None):
+    """The inverse of `to_kernel_layout` with the same layouts: the checkpoint's bytes again (bit-exact)."""
+    return _convert(cfg, params, layouts, _FROM)

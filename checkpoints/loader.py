@@ -6,6 +6,8 @@ model.safetensors; `hf_import`) or an Orbax one written by `save_orbax` / `pytho
 FP8/FP4 weights (on the host while importing HF files, on device leaf by leaf after an Orbax restore);
 asking for "fp8" from bf16 weights is an error (no silent requantization). The server calls this for
 ``serving.run --checkpoint DIR``; any problem raises `CheckpointError` before parameters are returned.
+kernel_layout=True: the GEMM weights come back in the byte layouts the Pallas kernels read
+(checkpoints/kernel_layout.py; the official layout for every kind today, so nothing moves).
 """
 
 from __future__ import annotations
@@ -54,13 +56,25 @@ def to_bf16_weights(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
 
 
 def load(path, *, weight_format: str | None = None, mesh=None, expert_axis: str | None = None,
-         progress: bool = True, parallel=None, host_tables=None) -> tuple[ModelConfig, dict]:
+         progress: bool = True, parallel=None, host_tables=None, kernel_layout: bool = False):
     """`mesh` + `parallel` (a dsv41_jax.sharding.Parallel): every leaf lands on its shards (see
     checkpoints.sharding); nothing is materialised whole on one device.
     `host_tables` (a checkpoints.host_tables.StoreOptions): the Engram tables go to host memory, never to a
-    device; returns (cfg, params without the tables, HostTables)."""
+    device; returns (cfg, params without the tables, HostTables). kernel_layout: see the module doc.
+    Returns (cfg, params) otherwise."""
     if host_tables is not None:
-        return _load_host_tables(Path(path), weight_format, mesh, expert_axis, progress, parallel, host_tables)
+        out = _load_host_tables(Path(path), weight_format, mesh, expert_axis, progress, parallel, host_tables)
+    else:
+        out = _load(path, weight_format=weight_format, mesh=mesh, expert_axis=expert_axis, progress=progress,
+                    parallel=parallel)
+    if kernel_layout:
+        from checkpoints.kernel_layout import to_kernel_layout
+
+        out = (out[0], to_kernel_layout(out[0], out[1]), *out[2:])
+    return out
+
+
+def _load(path, *, weight_format, mesh, expert_axis, progress, parallel) -> tuple[ModelConfig, dict]:
     d = Path(path)
     if weight_format not in (None, "fp8", "bf16"):
         raise ValueError(f"weight_format {weight_format!r} not in (None, 'fp8', 'bf16')")

@@ -82,10 +82,16 @@ def _view(p):
 
 
 def _pallas_linear_f32(cfg, p, x):
+    """FP8 weights with the reference's FP8 activations: x goes to the kernel as E4M3 codes + UE8M0 scales (the
+    values act_qdq gives; the FP8 x FP8 kernels read them as they are, the others dequantize them)."""
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
-    xq = layers.act_qdq(cfg, x.astype(dt), p)
-    y = gemm.matmul(xq.reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
+    x2 = x.astype(dt).reshape(-1, x.shape[-1])
+    if s is not None and cfg.qdq:
+        xq, xs = quant.fp8_encode(x2, 32)
+        y = gemm.matmul(xq, w, scale=s, layer=layer, x_scale=xs)
+    else:
+        y = gemm.matmul(layers.act_qdq(cfg, x2, p), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -112,6 +118,14 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
 
     rw = weights.reshape(-1)[order]
     (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
+    if s1 is not None and quantized:  # MXFP4 and FP8 activations: E4M3 codes + scales to the kernels
+        xq, xc = quant.fp8_encode(x.astype(dt), 32)
+        h = moe_gemm.grouped_swiglu(xq[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
+                                    limit=cfg.swiglu_limit, dtype=dt, x_scale=xc[tok])
+        hq, hc = quant.fp8_encode(h, 32)
+        w, s, layer = _view(p["w2"])
+        y = moe_gemm.grouped_matmul(hq, w, sizes, scale=s, layer=layer, x_scale=hc).astype(dt)
+        return jnp.zeros((N, D), F32).at[tok].add(y.astype(F32))
     if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel
         h = moe_gemm.grouped_swiglu(xs, w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
                                     limit=cfg.swiglu_limit, dtype=dt)

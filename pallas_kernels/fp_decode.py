@@ -19,6 +19,12 @@ the checkpoint's bytes as they are) or reads bytes re-laid out once so that the 
 FP8 (E4M3), `e4m3_scaled`: prmt spreads 2 bytes into the high bytes of two bf16 lanes; sign stays at bit 15 and
 e3..e0 m2..m0 shift to bits 10..4: value = e4m3 * 2^-120 (subnormals too); fma by 2^(s-7).
 
+MXFP4 to E4M3 codes, `e2m1_e4m3_planes` (the FP8-dot kernels, pallas_kernels/fp8dot.py): each nibble becomes an E4M3
+byte in place (sign to bit 7, e1 e0 m to bits 4..2), value e2m1 * 2^-6 exactly (subnormal 0.5 too); lo = the low
+nibbles (even k of the official layout), hi = the high nibbles (odd k). No scale is applied (the FP8-dot kernels
+scale f32 block sums). One 32-bit word -> one word per plane: 2 shifts + 2 ands + 1 or (lo), 1 shift + 2 ands + 1 or
+(hi), i.e. ~5 integer ops per 8 weights.
+
 Scale domains (the UE8M0 code s of the block): MXFP4 is exact for 7 <= s <= 136 and FP8 for s <= 134; a larger code
 gives inf (never silently a wrong finite value); MXFP4 codes below 7 (|w| < 2^-121) may flush to 0. E4M3 NaN bytes
 (0x7f / 0xff) decode to finite values.
@@ -72,6 +78,14 @@ FP8_ASM = "\n".join([
     "}"])
 
 
+# lo / hi plane of E4M3 bytes from 4 packed E2M1 bytes: $0 out, $1 in
+E4M3_ASM = ("{ .reg .b32 rt, ru; shl.b32 rt, $1, 2; and.b32 rt, rt, 0x1C1C1C1C; shl.b32 ru, $1, 4; "
+            "and.b32 ru, ru, 0x80808080; or.b32 $0, rt, ru; }",
+            "{ .reg .b32 rt, ru; shr.b32 rt, $1, 2; and.b32 rt, rt, 0x1C1C1C1C; and.b32 ru, $1, 0x80808080; "
+            "or.b32 $0, rt, ru; }")
+E4M3_FROM_E2M1_LOG2 = -6  # an E4M3 byte of `e2m1_e4m3_planes` holds e2m1 * 2^-6
+
+
 # ----------------------------------------------------------------------------- scales
 def pow2_bf16(codes, offset: int):
     """bf16 2^(code + offset) of UE8M0 codes (int array); inf where that overflows (exact powers otherwise)."""
@@ -110,6 +124,19 @@ def e2m1_planes(b, s_lo, s_hi, *, interpret: bool):
     sd = [jax.ShapeDtypeStruct(b.shape, BF16)]
     return tuple(plt.elementwise_inline_asm(asm, args=[b, s], constraints="=r,=r,r,r,r", pack=4,
                                             result_shape_dtypes=sd)[0] for asm, s in zip(FP4_ASM, (s_lo, s_hi)))
+
+
+def e2m1_e4m3_planes(b, *, interpret: bool):
+    """Packed E2M1 bytes [r, c] uint8 -> (lo, hi) bytes [r, c] holding E4M3 codes of e2m1 * 2^-6 (bitcast them to
+    float8_e4m3fn): lo[:, j] = the low nibble of byte j (k = 2j in the official layout), hi[:, j] = the high nibble
+    (k = 2j + 1). Compiled, the bytes are int8 (Triton's inline asm takes signless integers only)."""
+    if interpret:
+        return ((b & 7) << 2) | ((b & 8) << 4), ((b >> 2) & 0x1C) | (b & 0x80)
+    from jax.experimental.pallas import triton as plt
+
+    sd = [jax.ShapeDtypeStruct(b.shape, jnp.int8)]
+    return tuple(plt.elementwise_inline_asm(asm, args=[b], constraints="=r,r", pack=4, result_shape_dtypes=sd)[0]
+                 for asm in E4M3_ASM)
 
 
 def e4m3_scaled(q, scale, *, interpret: bool):

@@ -7,17 +7,22 @@ reduction). Large M (prefill) uses larger M tiles and no split.
 
 Invariants of a GemmBlock for a problem (M, N, K): bm, bn, bk are powers of two >= 16 (Triton load shapes and
 `plt.dot` dims), bn | N, bk | K, splits | K / bk, and bn, bk multiples of 32 for FP8 (one scale per 32x32 tile).
-These numbers are heuristics: the H200 run of bench/weight_gemms.py (bench/results/weight_gemms_h200.json,
-pallas_kernels/moe/NOTES.md) measured them at the full model's FP8 shapes, M = 1, 8, 64, without a block sweep.
+decode "fp8" (FP8 x FP8 dot, fp8_kernel.py; x must come as E4M3 codes + block scales): bm = R rows per M tile
+(any power of two), nb = k blocks per dot with R * nb in (16, 32, 64), 32 * nb | bk (pallas_kernels/fp8dot.py).
+The heuristics below were measured at the full model's FP8 shapes, M = 1, 8, 64 (bench/results/
+weight_gemms_h200.json, pallas_kernels/moe/NOTES.md). `TUNED` holds the winners of the block sweep of
+bench/weight_gemms.py per (N, K, M) (the bench prints the lines to paste); a problem uses the entry of its (N, K)
+with the smallest tuned M >= its M, an FP8-dot entry only when x comes as FP8 codes, with R resized to M.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 NUM_SMS = 132  # H200
-DECODES = ("bf16x2", "convert")  # FP8 decoders (kernel.py)
+DECODES = ("bf16x2", "convert", "fp8")  # FP8 weight paths: bf16 decoders (kernel.py), FP8 x FP8 dot (fp8_kernel.py)
 TARGET_PROGRAMS = 2 * NUM_SMS
+FP8_LAYOUT = "official"  # the FP8 linears' byte layout the kernels read (checkpoints/kernel_layout.py)
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,12 @@ class GemmBlock:
     num_stages: int = 3
     decode: str = "bf16x2"
     swap: bool = False
+    nb: int = 0  # decode "fp8": k blocks of 32 per dot (bm * nb = the MMA's rows)
+    fast_accum: bool = False  # decode "fp8": FP8 wgmma accumulation inside a dot (pallas_kernels/fp8dot.py)
+
+
+# (N, K, M) -> the fastest block measured for that FP8 weight shape at M rows (bench/weight_gemms.py).
+TUNED: dict[tuple[int, int, int], GemmBlock] = {}
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:
@@ -52,9 +63,44 @@ def m_tile(M: int) -> int:
     return b
 
 
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def fp8_rows(blk, rows: int, K: int):
+    """An FP8-dot block resized to R >= rows rows per tile, keeping its MMA row count where it can (R * nb in
+    (16, 32, 64), 32 * nb | K, bk and splits still tiling K); None where that is impossible (rows > 64)."""
+    R = next_pow2(rows)
+    if R > 64:
+        return None
+    mma = max(blk.bm * blk.nb, 16 if R <= 16 else R)
+    nb = max(1, mma // R)
+    while nb > 1 and K % (32 * nb):
+        nb //= 2
+    R = mma // nb
+    bk = max(blk.bk, 32 * nb)
+    while bk > 32 * nb and K % (bk * blk.splits):
+        bk //= 2
+    splits = blk.splits if K % (bk * blk.splits) == 0 else 1
+    return None if K % bk else replace(blk, bm=R, nb=nb, bk=bk, splits=splits)
+
+
+def tuned_gemm_block(M: int, N: int, K: int, x_fp8: bool) -> GemmBlock | None:
+    keys = sorted(m for (n, k, m), b in TUNED.items() if (n, k) == (N, K) and m >= M and (x_fp8 or b.decode != "fp8"))
+    if not keys:
+        return None
+    blk = TUNED[(N, K, keys[0])]
+    return fp8_rows(blk, M, K) if blk.decode == "fp8" else blk
+
+
 def pick_gemm_block(M: int, N: int, K: int, *, fp8: bool, bn: int | None = None, bk: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 3) -> GemmBlock:
-    """Heuristic tiles; bn / bk / num_warps / num_stages may be forced (bench sweeps), the split then follows."""
+                    num_warps: int | None = None, num_stages: int = 3, x_fp8: bool = False) -> GemmBlock:
+    """The tuned block of (N, K, M) if any (x_fp8: x comes as FP8 codes, so FP8-dot blocks qualify), else
+    heuristic tiles; bn / bk / num_warps / num_stages may be forced (bench sweeps), the split then follows."""
+    if fp8 and bn is None and bk is None and num_warps is None:
+        blk = tuned_gemm_block(M, N, K, x_fp8)
+        if blk is not None:
+            return blk
     bm = m_tile(M)
     m_tiles = -(-M // bm)
     bk = bk or pow2_divisor(K, 256 if M <= 64 else 64, 32 if fp8 else 16)

@@ -1,6 +1,10 @@
 """Small-M GEMM on weights in their checkpoint formats: y = x @ dequant(w)^T, f32 output.
 
-    matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None) -> [M, N] f32
+    matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None, x_scale=None) -> [M, N] f32
+
+x may come as FP8: E4M3 codes [M, K] (float8_e4m3fn or uint8) with `x_scale` E8M0 codes [M, K/32] (the model's
+quantized activations, dsv41_jax.quant.fp8_encode); x = codes * 2^(x_scale - 127). FP8 weights then run the FP8 x
+FP8 dot of fp8_kernel.py where the block says decode="fp8"; the other paths dequantize x first (exact).
 
 Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype float8_e8m0fnu
 or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and the `layer` (an int32
@@ -15,9 +19,10 @@ load and land in padded f32 output rows that the wrapper slices off (jax 0.11.2'
 block that overhangs an array: an unpadded output would be written past its end). Weight tiles are loaded evict-
 first.
 
-Numerics contract: every product is exact (bf16 x bf16, or bf16 x e4m3 * 2^k, both exactly representable) and
-accumulated in f32; only the summation order differs from the reference `ref_matmul` (the "xla" branch: dequantize,
-then einsum with f32 accumulation), so |y - ref| <= ~1e-5 * sum_k |x_k w_k| (tested).
+Numerics contract (decode "bf16x2" / "convert"; "fp8": pallas_kernels/fp8dot.py): every product is exact (bf16 x
+bf16, or bf16 x e4m3 * 2^k, both exactly representable) and accumulated in f32; only the summation order differs
+from the reference `ref_matmul` (the "xla" branch: dequantize, then einsum with f32 accumulation), so |y - ref| <=
+~1e-5 * sum_k |x_k w_k| (tested).
 
 Limits: N, K multiples of 32 (FP8) or 16 (bf16). 1-byte arrays of 2..4 GiB (one layer's MXFP4 experts) need the
 64-bit offset fix of pallas_kernels.common.
@@ -33,8 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default  # noqa: F401
+from pallas_kernels.fp8dot import check_fp8_tiles
 from pallas_kernels.fp_decode import e4m3_scaled, fp8_scale_bf16
 from pallas_kernels.gemm.block_sizes import DECODES, GemmBlock, pick_gemm_block
+from pallas_kernels.gemm.fp8_kernel import matmul_fp8
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -78,8 +85,24 @@ def dequant_fp8(q, scale, dtype=BF16, block: int = 32):
     return (q.astype(F32) * s).astype(dtype)
 
 
-def ref_matmul(x, w, *, scale=None, layer=None):
+def dequant_x(xq, x_scale, dtype=BF16):
+    """FP8 activations (E4M3 codes [M, K], E8M0 codes [M, K/32]) -> dtype (exact for bf16)."""
+    xq = jax.lax.bitcast_convert_type(xq, jnp.float8_e4m3fn) if xq.dtype == jnp.uint8 else xq
+    s = jax.lax.bitcast_convert_type(scale_codes(x_scale).astype(jnp.int32) << 23, F32)
+    M, K = xq.shape
+    return (xq.astype(F32).reshape(M, K // 32, 32) * s[:, :, None]).reshape(M, K).astype(dtype)
+
+
+def x_codes_f32_scale(xq, x_scale, offset: int = 0):
+    """(uint8 E4M3 codes [M, K], f32 block multipliers 2^(code - 127 + offset) [M, K/32]) for the FP8 kernels."""
+    xq = jax.lax.bitcast_convert_type(xq, jnp.uint8) if xq.dtype != jnp.uint8 else xq
+    return xq, jax.lax.bitcast_convert_type((scale_codes(x_scale).astype(jnp.int32) + offset) << 23, F32)
+
+
+def ref_matmul(x, w, *, scale=None, layer=None, x_scale=None):
     """What the model does today: slice the layer, dequantize to bf16, einsum with f32 accumulation."""
+    if x_scale is not None:
+        x = dequant_x(x, x_scale)
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
         if scale is not None:
@@ -143,6 +166,10 @@ def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
 
 
 def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):
+    if blk.decode == "fp8":
+        if not fp8:
+            raise ValueError(f"block {blk}: decode 'fp8' needs FP8 weights")
+        return check_fp8_tiles(blk.bm, blk.nb, blk.bn, blk.bk, N, K, blk.splits, f"block {blk}")
     lo = 32 if fp8 else 16
     for name, v in (("bm", blk.bm), ("bn", blk.bn), ("bk", blk.bk)):
         if v < 16 or v & (v - 1):
@@ -153,7 +180,7 @@ def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):
         raise ValueError(f"block {blk}: decode must be one of {DECODES}")
 
 
-def matmul(x, w, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,
+def matmul(x, w, *, scale=None, layer=None, x_scale=None, implementation: str = "pallas", interpret=None,
            block: GemmBlock | None = None):
     """y [M, N] f32 = x [M, K] @ dequant(w)^T; see the module docstring."""
     if implementation not in IMPLEMENTATIONS:
@@ -166,8 +193,10 @@ def matmul(x, w, *, scale=None, layer=None, implementation: str = "pallas", inte
     if not fp8 and w.dtype != BF16:
         raise ValueError(f"weights without scale must be bf16, got {w.dtype}")
     if implementation == "xla":
-        return ref_matmul(x, w, scale=scale, layer=layer)
+        return ref_matmul(x, w, scale=scale, layer=layer, x_scale=x_scale)
     M, K = x.shape
+    if x_scale is not None and (x_scale.shape != (M, K // 32) or K % 32):
+        raise ValueError(f"x {x.shape} needs x_scale [M, K/32], got {x_scale.shape}")
     if w.shape[-1] != K:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
     N = w.shape[-2]
@@ -179,7 +208,14 @@ def matmul(x, w, *, scale=None, layer=None, implementation: str = "pallas", inte
         if codes.shape[-2:] != (N // 32, K // 32) or N % 32 or K % 32:
             raise ValueError(f"FP8 weight {w.shape} needs N, K multiples of 32 and scale [.., N/32, K/32]")
     check_offsets(w3, *([codes] if fp8 else []))
-    blk = block or pick_gemm_block(M, N, K, fp8=fp8)
+    blk = block or pick_gemm_block(M, N, K, fp8=fp8, x_fp8=x_scale is not None)
     check_block(blk, N, K, fp8)
     interpret = interpret_default() if interpret is None else interpret
+    if blk.decode == "fp8":
+        if x_scale is None:
+            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale")
+        xq, sx = x_codes_f32_scale(x, x_scale)
+        return matmul_fp8(xq, sx, w3, codes, layer_arr, blk=blk, interpret=interpret)
+    if x_scale is not None:
+        x = dequant_x(x, x_scale)
     return _matmul_pallas(x.astype(BF16), w3, codes, layer_arr, blk=blk, interpret=interpret)

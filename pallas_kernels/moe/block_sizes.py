@@ -8,8 +8,11 @@ tile is [bn, bk/2] bytes); for MXFP4 it is also the unit of the decoded planes' 
 
 Invariants of a MoeBlock for (N, K): bm, bn powers of two >= 16; bk a power of two, bk * splits | K, bk >= 64 for
 MXFP4 (>= 128 tiled); bn | N; decode "bf16x2" (fp_decode) or "e4m3" (the first decoder, official layout only).
-(A swapped dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
-Triton 3.6 while passing in interpret mode; it is not offered.)
+decode "fp8" (fp8_kernel.py, official layout, x as FP8 codes): bm = R rows per work item (any power of two), nb
+blocks per dot with R * nb in (16, 32, 64), 32 * nb | bk (pallas_kernels/fp8dot.py).
+(A swapped bf16 dot, weight tile as the M operand, gave wrong results compiled on the H200 with jax 0.11.2 /
+Triton 3.6 while passing in interpret mode; it is not offered. The FP8-dot kernels' `swap` writes the transposed
+output tile into an [N, M] buffer instead of transposing in the kernel.)
 Measured on the H200 (bench/weight_gemms.py, bench/results/weight_gemms_h200.json, NOTES.md beside this file): at M
 = 6 rows the defaults below were the fastest of the swept blocks for w1 (bm 16, bn 64, bk 256, 4 warps, 3 stages, 2
 K splits: 33.3 us), w2 (bn 64, bk 256, no split: 29.2 and 28.9 us, the same block timed twice) and the fused w1/w3
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pallas_kernels.gemm.block_sizes import NUM_SMS, pow2_divisor
+from pallas_kernels.gemm.block_sizes import NUM_SMS, fp8_rows, pow2_divisor
 
 LAYOUTS = ("official", "tiled")
-DECODES = ("bf16x2", "e4m3")
+DECODES = ("bf16x2", "e4m3", "fp8")
+MXFP4_LAYOUT = "official"  # the byte layout the default blocks read (checkpoints/kernel_layout.py converts to it)
+TILED_BK = 256  # the k tile a "tiled" MXFP4 weight is laid out for (blocks reading it use this bk)
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,16 @@ class MoeBlock:
     splits: int = 1
     layout: str = "official"
     decode: str = "bf16x2"
+    nb: int = 0  # decode "fp8": k blocks of 32 per dot (bm * nb = the MMA's rows)
+    swap: bool = False  # decode "fp8": weight planes as the dots' first operand
+    fast_accum: bool = False  # decode "fp8": FP8 wgmma accumulation inside a dot (pallas_kernels/fp8dot.py)
 
+
+# (kernel, N, K, M) -> the fastest block measured at M rows routed over 384 experts (bench/weight_gemms.py prints
+# these lines); kernel "gmm" (grouped_matmul) or "swiglu" (grouped_swiglu). A problem uses the entry of its (kernel,
+# N, K) with the smallest tuned M >= its M; an FP8-dot entry only when x comes as FP8 codes, its R resized to the
+# expected rows per active expert.
+TUNED: dict[tuple[str, int, int, int], MoeBlock] = {}
 
 def _splits(programs: int, ksteps: int, target: int) -> int:
     """Smallest power-of-two K split (dividing ksteps) that brings the programs to `target`."""
@@ -47,16 +61,36 @@ def _splits(programs: int, ksteps: int, target: int) -> int:
     return s
 
 
+def tuned_moe_block(M: int, N: int, K: int, active: int, fused: bool, x_fp8: bool,
+                    layout: str = MXFP4_LAYOUT) -> MoeBlock | None:
+    kind = "swiglu" if fused else "gmm"
+    keys = sorted(m for (k, n, kk, m), b in TUNED.items() if (k, n, kk) == (kind, N, K) and m >= M
+                  and (x_fp8 or b.decode != "fp8") and b.layout == layout)
+    if not keys:
+        return None
+    blk = TUNED[(kind, N, K, keys[0])]
+    if blk.decode == "fp8":
+        blk = fp8_rows(blk, -(-M // max(1, active)), K)
+        if blk is None or blk.bm > 16:
+            return None
+    return blk
+
+
 def pick_moe_block(M: int, N: int, K: int, *, fp4: bool, active: int | None = None, bn: int | None = None,
                    bk: int | None = None, num_warps: int = 4, num_stages: int = 3, fused: bool = False,
-                   layout: str = "official") -> MoeBlock:
+                   layout: str = MXFP4_LAYOUT, x_fp8: bool = False) -> MoeBlock:
     """M: rows (token-expert assignments); active: expected active experts (default min(M, 384)); bn / bk /
-    num_warps / num_stages may be forced (bench sweeps); fused: the w1/w3 kernel (two weight streams)."""
+    num_warps / num_stages may be forced (bench sweeps); fused: the w1/w3 kernel (two weight streams); x_fp8: x
+    comes as FP8 codes (FP8-dot blocks qualify). The tuned block of (kernel, N, K, M) if any, else heuristics."""
     active = active or min(M, 384)
+    if fp4 and bn is None and bk is None:
+        blk = tuned_moe_block(M, N, K, active, fused, x_fp8, layout)
+        if blk is not None:
+            return blk
     rows_per_expert = M / max(1, active)
     bm = 16 if rows_per_expert <= 16 else (32 if rows_per_expert <= 32 else 64)
     bn = bn or pow2_divisor(N, 64 if bm <= 32 else 128)
-    bk = bk or pow2_divisor(K, 256 if fp4 else 128, 64 if fp4 else 32)
+    bk = bk or (TILED_BK if layout == "tiled" else pow2_divisor(K, 256 if fp4 else 128, 64 if fp4 else 32))
     splits = 1
     if fp4 and not fused:
         splits = _splits(active * (N // bn), K // bk, 2 * NUM_SMS)

@@ -10,14 +10,11 @@ E2M1 codes per byte, low nibble = even k: the checkpoint's layout, or `tiled` fo
 checkpoints/kernel_layout.py) with E8M0 `scale` [(L,) E, N, K/32] (float8_e8m0fnu or uint8).
 A stacked weight is passed whole; `layer` (int32 scalar, may be traced) is read inside the kernel.
 
-Work list: `tile_metadata` (jnp, from group_sizes) lists the (expert, row tile) pairs of the *active* experts,
-padded to a static length with empty entries. Grid = (work item, N tile, K split); a program of an empty entry
-exits before touching any weight, so only the active experts' weights are read and the cost scales with them.
-A row tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's
-range are masked at the x loads and at the store); each output row is stored by exactly one program per
-(N tile, split), into a zero-initialised aliased buffer; split partials [S, M, N] are summed by the wrapper
-(grouped_swiglu with splits: g / u partials, the activation then runs in the wrapper). Weight tiles are loaded
-evict-first (streamed once). grouped_swiglu streams the w1 and w3 tiles of one (expert, N tile) in one program.
+Work list (pallas_kernels/moe/worklist.py): the (expert, row tile) items of the *active* experts. Grid = (work item,
+N tile, K split); a program of an empty entry exits before touching any weight, so only the active experts' weights
+are read and the cost scales with them; split partials [S, M, N] are summed by the wrapper (grouped_swiglu with
+splits: g / u partials, the activation then runs in the wrapper). Weight tiles are loaded evict-first (streamed
+once). grouped_swiglu streams the w1 and w3 tiles of one (expert, N tile) in one program.
 
 MXFP4 decode (MoeBlock.decode "bf16x2", pallas_kernels.fp_decode): each 32-bit word of packed bytes becomes two
 planes of 4 bf16 values with the block scale folded in (w * 2^-8; the f32 sums are multiplied by 2^8), one
@@ -26,11 +23,14 @@ permutes x's columns to match (`permute_k`), and the x tile halves dot the lo / 
 x_hi . hi^T. decode "e4m3" is the first decoder (nibbles re-placed as e4m3 bytes, converted and scaled, x split
 into even / odd columns), kept as the benchmark baseline.
 
-Numerics contract (grouped_matmul): products exact, f32 accumulation; only the summation order differs from
-`ref_grouped_matmul` (the "xla" branch: dequantize all experts, `lax.ragged_dot_general`):
-|y - ref| <= ~1e-5 * sum_k |x_k w_k|, for scale codes 7..136 (fp_decode's domain; larger codes give inf).
-grouped_swiglu: h within one `dtype` rounding of `ref_grouped_swiglu` (the GEMMs' summation order and the
-compiled exp may move g, u or h across a rounding boundary).
+decode "fp8" (fp8_kernel.py): MXFP4 decoded to E4M3 planes and FP8 x FP8 dots with block-scaled f32 sums, x as
+FP8 codes (the model's experts get FP8 activations).
+
+Numerics contract (grouped_matmul; "fp8": pallas_kernels/fp8dot.py): products exact, f32 accumulation; only the
+summation order differs from `ref_grouped_matmul` (the "xla" branch: dequantize all experts,
+`lax.ragged_dot_general`): |y - ref| <= ~1e-5 * sum_k |x_k w_k|, for scale codes 7..136 (fp_decode's domain; larger
+codes give inf). grouped_swiglu: h within one `dtype` rounding of `ref_grouped_swiglu` (the GEMMs' summation order
+and the compiled exp may move g, u or h across a rounding boundary).
 """
 
 from __future__ import annotations
@@ -44,13 +44,22 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import fp_decode
 from pallas_kernels.common import check_offsets, interpret_default
+from pallas_kernels.fp8dot import check_fp8_tiles
 from pallas_kernels.fp_decode import FP4_ACC_LOG2, e2m1_planes, fp4_scale_bf16
-from pallas_kernels.gemm.kernel import IMPLEMENTATIONS, expand_tile_scale, layer_array, scale_codes
+from pallas_kernels.gemm.kernel import (
+    IMPLEMENTATIONS,
+    dequant_x,
+    expand_tile_scale,
+    layer_array,
+    scale_codes,
+    x_codes_f32_scale,
+)
 from pallas_kernels.moe.block_sizes import DECODES, LAYOUTS, MoeBlock, pick_moe_block
+from pallas_kernels.moe.fp8_kernel import gmm_fp8, swiglu_fp8
+from pallas_kernels.moe.worklist import call, item, max_work_items, meta, swiglu_rows, tile_metadata  # noqa: F401
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-META_FIELDS = 4  # expert, first row loaded (r0), first row owned (lo), end of owned rows (hi)
 
 
 # ----------------------------------------------------------------------------- reference ("xla" branch)
@@ -76,42 +85,6 @@ def ref_grouped_matmul(x, w, group_sizes, *, scale=None, layer=None):
                                            rhs_group_dimensions=[0])
     return jax.lax.ragged_dot_general(x.astype(BF16), wd, group_sizes.astype(jnp.int32), dn,
                                       preferred_element_type=F32)
-
-
-# ----------------------------------------------------------------------------- work list
-def max_work_items(M: int, E: int, bm: int) -> int:
-    """Upper bound of sum_g ceil(size_g / bm) over sizes with sum <= M: M // bm + (number of nonempty groups)."""
-    return M // bm + min(E, M)
-
-
-def _cumsum(v):
-    """Inclusive prefix sum of a short int vector as one masked reduction (jnp.cumsum lowers to a scan that
-    may become a serial while loop, which syncs with the host every iteration on the GPU)."""
-    i = jnp.arange(v.shape[0])
-    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1).astype(v.dtype)
-
-
-def tile_metadata(group_sizes, M: int, bm: int, n_items: int):
-    """int32 [n_items, 4]: (expert, r0, lo, hi) for each row tile of each active expert, in expert order, then
-    empty entries (lo == hi). Rows [lo, hi) are the tile's own rows; the kernel addresses rows [r0, r0 + bm)
-    with r0 = max(min(lo, M - bm), 0), inside x unless M < bm (then rows >= M are masked off). Entries past
-    n_items are dropped (never happens when sum(group_sizes) <= M and n_items = max_work_items)."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(_cumsum(sizes), M)
-    starts = jnp.minimum(ends - sizes, M)
-    tiles = (ends - starts + bm - 1) // bm
-    tend = _cumsum(tiles)
-    t = jnp.arange(n_items, dtype=jnp.int32)
-    e = jnp.searchsorted(tend, t, side="right", method="compare_all")
-    e = jnp.minimum(e, sizes.shape[0] - 1).astype(jnp.int32)
-    valid = t < tend[-1]
-    lo = starts[e] + (t - (tend[e] - tiles[e])) * bm
-    hi = jnp.minimum(lo + bm, ends[e])
-    lo = jnp.where(valid, lo, 0)
-    hi = jnp.where(valid, hi, 0)
-    e = jnp.where(valid, e, 0)
-    r0 = jnp.maximum(jnp.minimum(lo, M - bm), 0)
-    return jnp.stack([e, r0, lo, hi], axis=1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -179,19 +152,12 @@ def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk:
     return acc
 
 
-def _item(meta_ref, blk: MoeBlock):
-    t, j = pl.program_id(0), pl.program_id(1)
-    e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
-    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (blk.bm, 1), 0)
-    return e, r0, lo, hi, (rows >= lo) & (rows < hi), pl.multiple_of(j * blk.bn, blk.bn)
-
-
 def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, fp4: bool, interpret: bool):
     if fp4:
         x_ref, w_ref, s_ref, _, o_ref = refs
     else:
         (x_ref, w_ref, _, o_ref), s_ref = refs, None
-    e, r0, lo, hi, rmask, n0 = _item(meta_ref, blk)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
     sp = pl.program_id(2)
 
     @pl.when(hi > lo)
@@ -205,7 +171,7 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
                    blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
     """w1 and w3 tiles of the same (expert, n tile) in one program; one split: the epilogue applies the SwiGLU
     and the routing weight of each row (layers.swiglu's order: g, u rounded to `dtype` first)."""
-    e, r0, lo, hi, rmask, n0 = _item(meta_ref, blk)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
     sp = pl.program_id(2)
     bm, bn = blk.bm, blk.bn
 
@@ -223,42 +189,19 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
         plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], h.astype(o_ref.dtype), mask=rmask)
 
 
-def swiglu_rows(g, u, rw, limit: float, dtype):
-    """layers.swiglu(g, u) * rw on f32 GEMM outputs first rounded to `dtype` (what the reference feeds it)."""
-    g, u = g.astype(dtype).astype(F32), u.astype(dtype).astype(F32)
-    if limit > 0:
-        u = jnp.clip(u, -limit, limit)
-        g = jnp.minimum(g, limit)
-    return jax.nn.silu(g) * u * rw  # Pallas Triton lowers the logistic as 1 / (1 + exp(-g))
-
-
-def _meta(group_sizes, M: int, E: int, blk: MoeBlock):
-    n_items = max_work_items(M, E, blk.bm)
-    return n_items, tile_metadata(group_sizes, M, blk.bm, n_items)
-
-
-def _call(kernel, args, out_shape, grid, blk: MoeBlock, interpret: bool, name: str):
-    anyspec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=[anyspec] * len(args), out_specs=anyspec,
-        input_output_aliases={len(args) - 1: 0},
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
-        interpret=interpret, name=name)(*args)
-
-
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
 def _gmm_pallas(x, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: bool):
     M, K = x.shape
     _, E, N, _ = w.shape
     fp4 = codes is not None
-    n_items, meta = _meta(group_sizes, M, E, blk)
+    n_items, work = meta(group_sizes, M, E, blk)
     if fp4 and blk.decode != "e4m3":
         x = permute_k(x, blk)
-    args = [layer, meta, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
-    y = _call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // blk.splits, fp4=fp4,
-                                interpret=interpret),
-              args, jax.ShapeDtypeStruct((blk.splits, M, N), F32), (n_items, N // blk.bn, blk.splits), blk,
-              interpret, "moe_gmm_mxfp4" if fp4 else "moe_gmm_bf16")
+    args = [layer, work, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
+    y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // blk.splits, fp4=fp4,
+                               interpret=interpret),
+             args, jax.ShapeDtypeStruct((blk.splits, M, N), F32), (n_items, N // blk.bn, blk.splits), blk,
+             interpret, "moe_gmm_mxfp4" if fp4 else "moe_gmm_bf16")
     return y.reshape(M, N) if blk.splits == 1 else jnp.sum(y, axis=0)
 
 
@@ -267,14 +210,14 @@ def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBl
                    limit: float, dtype):
     M, K = x.shape
     _, E, N, _ = w1.shape
-    n_items, meta = _meta(group_sizes, M, E, blk)
+    n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
     out = jnp.zeros((2 * S, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
-    args = [layer, meta, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
-    y = _call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
-                                interpret=interpret),
-              args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
-              "moe_swiglu_mxfp4")
+    args = [layer, work, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
+    y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
+                               interpret=interpret),
+             args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
+             "moe_swiglu_mxfp4")
     if S == 1:
         return y
     gu = jnp.sum(y.reshape(S, 2, M, N), axis=0)
@@ -291,6 +234,10 @@ def permute_k(x, blk: MoeBlock):
 
 
 def check_moe_block(blk: MoeBlock, N: int, K: int, fp4: bool):
+    if blk.decode == "fp8":
+        if not fp4 or blk.layout != "official":
+            raise ValueError(f"block {blk}: decode 'fp8' reads MXFP4 experts in the official layout")
+        return check_fp8_tiles(blk.bm, blk.nb, blk.bn, blk.bk, N, K, blk.splits, f"block {blk}")
     for name, v in (("bm", blk.bm), ("bn", blk.bn), ("bk", blk.bk)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of two >= 16")
@@ -302,8 +249,10 @@ def check_moe_block(blk: MoeBlock, N: int, K: int, fp4: bool):
         raise ValueError(f"block {blk}: the e4m3 decoder reads the official layout")
 
 
-def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False):
+def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False, x_scale=None):
     stacked = w.ndim == 4
+    if x_scale is not None and (x_scale.shape != (x.shape[0], x.shape[1] // 32) or x.shape[1] % 32):
+        raise ValueError(f"x {x.shape} needs x_scale [M, K/32], got {x_scale.shape}")
     layer_arr = layer_array(layer, stacked)
     fp4 = scale is not None
     if fp4 and w.dtype != jnp.uint8:
@@ -329,23 +278,37 @@ def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False):
     return M, N, K, E, w4, codes, layer_arr
 
 
-def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, implementation: str = "pallas", interpret=None,
-                   block: MoeBlock | None = None):
+def _x_for(blk: MoeBlock, x, x_scale):
+    """(xq uint8, sx f32 2^(code - 127)) for the FP8 kernels, else x as bf16 (FP8 x dequantized, exactly)."""
+    if blk.decode == "fp8":
+        if x_scale is None:
+            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale")
+        return x_codes_f32_scale(x, x_scale)
+    return (x if x_scale is None else dequant_x(x, x_scale)).astype(BF16)
+
+
+def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, implementation: str = "pallas",
+                   interpret=None, block: MoeBlock | None = None):
     """[M, N] f32; see the module docstring. MXFP4 weights in the official layout unless block.layout says
-    tiled (checkpoints/kernel_layout.py)."""
+    tiled (checkpoints/kernel_layout.py). x as FP8 codes with `x_scale` E8M0 codes [M, K/32]: as in
+    pallas_kernels.gemm.matmul (FP8-dot blocks qualify)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
-    M, N, K, E, w4, codes, layer_arr = _prepare(x, w, group_sizes, scale, layer, block)
+    M, N, K, E, w4, codes, layer_arr = _prepare(x, w, group_sizes, scale, layer, block, x_scale=x_scale)
     if implementation == "xla":
         if block is not None and block.layout == "tiled":
             raise ValueError("the xla branch reads the official layout")
+        x = x if x_scale is None else dequant_x(x, x_scale)
         return ref_grouped_matmul(x, w, group_sizes, scale=scale, layer=layer)
     fp4 = codes is not None
-    blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E))
+    blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E), x_fp8=fp4 and x_scale is not None)
     check_moe_block(blk, N, K, fp4)
     interpret = interpret_default() if interpret is None else interpret
-    return _gmm_pallas(x.astype(BF16), w4, codes, group_sizes.astype(jnp.int32), layer_arr, blk=blk,
-                       interpret=interpret)
+    gs = group_sizes.astype(jnp.int32)
+    xk = _x_for(blk, x, x_scale)
+    if blk.decode == "fp8":
+        return gmm_fp8(*xk, w4, codes, gs, layer_arr, blk=blk, interpret=interpret)
+    return _gmm_pallas(xk, w4, codes, gs, layer_arr, blk=blk, interpret=interpret)
 
 
 def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
@@ -357,23 +320,29 @@ def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer
 
 
 def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
-                   dtype=BF16, implementation: str = "pallas", interpret=None, block: MoeBlock | None = None):
+                   dtype=BF16, x_scale=None, implementation: str = "pallas", interpret=None,
+                   block: MoeBlock | None = None):
     """h [M, N] dtype = (silu(g) * u) * route_w[:, None] with g, u = x @ dequant(w1 / w3)[expert of row]^T
     (MXFP4 experts, both GEMMs and the activation in one kernel; rows sorted by expert as in grouped_matmul;
     `limit` = the model's swiglu_limit, 0 for none). Padding rows come back 0."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
-    M, N, K, E, w1_4, c1, layer_arr = _prepare(x, w1, group_sizes, scale1, layer, block, fp4_required=True)
-    _, N3, _, _, w3_4, c3, _ = _prepare(x, w3, group_sizes, scale3, layer, block, fp4_required=True)
+    M, N, K, E, w1_4, c1, layer_arr = _prepare(x, w1, group_sizes, scale1, layer, block, True, x_scale)
+    _, N3, _, _, w3_4, c3, _ = _prepare(x, w3, group_sizes, scale3, layer, block, True, x_scale)
     if N3 != N or route_w.shape != (M,):
         raise ValueError(f"w1 {w1.shape} / w3 {w3.shape} / route_w {route_w.shape} disagree")
     if implementation == "xla":
+        x = x if x_scale is None else dequant_x(x, x_scale)
         return ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, scale1=scale1, scale3=scale3, layer=layer,
                                   limit=limit, dtype=dtype)
-    blk = block or pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=True)
+    blk = block or pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=True, x_fp8=x_scale is not None)
     check_moe_block(blk, N, K, True)
     if blk.decode == "e4m3":
-        raise ValueError("grouped_swiglu decodes with fp_decode (decode='bf16x2')")
+        raise ValueError("grouped_swiglu decodes with fp_decode (decode='bf16x2') or FP8 dots (decode='fp8')")
     interpret = interpret_default() if interpret is None else interpret
-    return _swiglu_pallas(x.astype(BF16), w1_4, c1, w3_4, c3, group_sizes.astype(jnp.int32), route_w, layer_arr,
-                          blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype))
+    kw = dict(blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype))
+    gs = group_sizes.astype(jnp.int32)
+    xk = _x_for(blk, x, x_scale)
+    if blk.decode == "fp8":
+        return swiglu_fp8(*xk, w1_4, c1, w3_4, c3, gs, route_w, layer_arr, **kw)
+    return _swiglu_pallas(xk, w1_4, c1, w3_4, c3, gs, route_w, layer_arr, **kw)

@@ -80,3 +80,82 @@ def test_scale_multipliers_exact_in_domain():
     s8 = np.asarray(fp_decode.fp8_scale_bf16(c), np.float64)
     np.testing.assert_array_equal(s8[:135], 2.0 ** (np.arange(135) - 7.0))
     assert np.all(np.isinf(s8[135:]))
+
+
+def _ptx_run(asm: str, word):
+    """A tiny emulator of the integer PTX the E4M3 plane decoders use (mov / shl / shr / and / or on b32), on a
+    numpy uint32 array bound to $1; returns $0."""
+    regs = {"$1": word.astype(np.uint32)}
+    val = lambda t: regs[t] if t in regs else np.uint32(int(t, 0))  # noqa: E731
+    for ins in asm.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = val(src[0])
+        regs[d] = {"mov.b32": lambda: a, "shl.b32": lambda: a << val(src[1]), "shr.b32": lambda: a >> val(src[1]),
+                   "and.b32": lambda: a & val(src[1]), "or.b32": lambda: a | val(src[1])}[op]().astype(np.uint32)
+    return regs["$0"]
+
+
+def test_e4m3_planes_all_bytes():
+    """fp_decode.e2m1_e4m3_planes (interpret path) and its two PTX programs (emulated on 32-bit words holding 4
+    bytes each) agree and give E4M3 codes of e2m1 * 2^-6 of the low / high nibble of every byte."""
+    b = np.arange(256, dtype=np.uint8)
+    lo, hi = (np.asarray(v, np.uint8) for v in fp_decode.e2m1_e4m3_planes(jnp.asarray(b)[None], interpret=True))
+    f8 = lambda v: v.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # noqa: E731
+    scale = 2.0 ** fp_decode.E4M3_FROM_E2M1_LOG2
+    np.testing.assert_array_equal(f8(lo[0]), fp_decode.FP4_VALUES[b & 15] * scale)
+    np.testing.assert_array_equal(f8(hi[0]), fp_decode.FP4_VALUES[b >> 4] * scale)
+    rng = np.random.default_rng(5)
+    words = np.concatenate([b.view(np.uint32), rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    wb = words.view(np.uint8)
+    for asm, plane in zip(fp_decode.E4M3_ASM, fp_decode.e2m1_e4m3_planes(jnp.asarray(wb)[None], interpret=True)):
+        np.testing.assert_array_equal(_ptx_run(asm, words).view(np.uint8), np.asarray(plane, np.uint8)[0])
+
+
+@pytest.fixture(scope="module")
+def fp8_tree():
+    """An fp8-format parameter tree of a tiny config with K = 256 everywhere the tiled layout needs it (random
+    bytes in the GEMM weights, zeros elsewhere: the conversions only look at shapes and bytes)."""
+    import jax
+
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.params import abstract_params
+
+    cfg = ModelConfig.preset("tiny", dim=256, moe_inter_dim=256)
+    rng = np.random.default_rng(9)
+
+    def leaf(a):
+        if a.dtype in (np.uint8, jnp.float8_e4m3fn):
+            return rng.integers(0, 256, a.shape, dtype=np.uint8).view(a.dtype)
+        return np.zeros(a.shape, a.dtype)
+    return cfg, jax.tree.map(leaf, abstract_params(cfg))
+
+
+def test_tree_layouts_round_trip(fp8_tree):
+    """to_kernel_layout / to_official_layout over a whole tree: the default layouts (official) move nothing;
+    tiled experts differ from the checkpoint's bytes, the rest is untouched, and the way back is bit-exact."""
+    import jax
+
+    from checkpoints.kernel_layout import kernel_layouts, to_kernel_layout, to_official_layout
+    from checkpoints.tree import flat
+
+    cfg, p = fp8_tree
+    assert kernel_layouts() == {"exp": "official", "lin": "official"}
+    same = flat(to_kernel_layout(cfg, p))
+    for path, v in flat(p).items():
+        np.testing.assert_array_equal(np.asarray(same[path]).view(np.uint8), np.asarray(v).view(np.uint8))
+    lay = {"exp": "tiled", "lin": "official"}
+    k = to_kernel_layout(cfg, p, lay)
+    back = flat(to_official_layout(cfg, k, lay))
+    kf = flat(k)
+    for path, v in flat(p).items():
+        raw = np.asarray(v).view(np.uint8) if v.dtype.itemsize == 1 else np.asarray(v)
+        moved = path[-1] == "weight" and "experts" in path
+        assert moved != np.array_equal(np.asarray(kf[path]).view(raw.dtype), raw), path
+        np.testing.assert_array_equal(np.asarray(back[path]).view(raw.dtype), raw)
+    assert jax.tree.structure(k) == jax.tree.structure(p)
+    with pytest.raises(ValueError):
+        to_kernel_layout(cfg, p, {"exp": "official", "lin": "tiled"})

@@ -1,0 +1,86 @@
+"""The pieces both MoE kernels share (kernel.py: bf16 / MXFP4 with bf16 dots; fp8_kernel.py: FP8 x FP8 dots):
+the work list of active (expert, row tile) items, a program's item, the SwiGLU epilogue, the pallas_call.
+
+Work list: `tile_metadata` (jnp, from group_sizes) lists the (expert, row tile) pairs of the *active* experts,
+padded to a static length with empty entries; a program of an empty entry exits before touching any weight.
+A row tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's range
+are masked at the loads and at the store); each output row is stored by exactly one program per (N tile, split),
+into a zero-initialised aliased buffer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+META_FIELDS = 4  # expert, first row loaded (r0), first row owned (lo), end of owned rows (hi)
+
+
+def max_work_items(M: int, E: int, bm: int) -> int:
+    """Upper bound of sum_g ceil(size_g / bm) over sizes with sum <= M: M // bm + (number of nonempty groups)."""
+    return M // bm + min(E, M)
+
+
+def cumsum_small(v):
+    """Inclusive prefix sum of a short int vector as one masked reduction (jnp.cumsum lowers to a scan that
+    may become a serial while loop, which syncs with the host every iteration on the GPU)."""
+    i = jnp.arange(v.shape[0])
+    return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1).astype(v.dtype)
+
+
+def tile_metadata(group_sizes, M: int, bm: int, n_items: int):
+    """int32 [n_items, 4]: (expert, r0, lo, hi) for each row tile of each active expert, in expert order, then
+    empty entries (lo == hi). Rows [lo, hi) are the tile's own rows; the kernel addresses rows [r0, r0 + bm)
+    with r0 = max(min(lo, M - bm), 0), inside x unless M < bm (then rows >= M are masked off). Entries past
+    n_items are dropped (never happens when sum(group_sizes) <= M and n_items = max_work_items)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(cumsum_small(sizes), M)
+    starts = jnp.minimum(ends - sizes, M)
+    tiles = (ends - starts + bm - 1) // bm
+    tend = cumsum_small(tiles)
+    t = jnp.arange(n_items, dtype=jnp.int32)
+    e = jnp.searchsorted(tend, t, side="right", method="compare_all")
+    e = jnp.minimum(e, sizes.shape[0] - 1).astype(jnp.int32)
+    valid = t < tend[-1]
+    lo = starts[e] + (t - (tend[e] - tiles[e])) * bm
+    hi = jnp.minimum(lo + bm, ends[e])
+    lo = jnp.where(valid, lo, 0)
+    hi = jnp.where(valid, hi, 0)
+    e = jnp.where(valid, e, 0)
+    r0 = jnp.maximum(jnp.minimum(lo, M - bm), 0)
+    return jnp.stack([e, r0, lo, hi], axis=1).astype(jnp.int32)
+
+
+def item(meta_ref, blk):
+    """(expert, r0, lo, hi, mask of the rows [r0, r0 + bm) the item owns [bm, 1], first column of the N tile)."""
+    t, j = pl.program_id(0), pl.program_id(1)
+    e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
+    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (blk.bm, 1), 0)
+    return e, r0, lo, hi, (rows >= lo) & (rows < hi), pl.multiple_of(j * blk.bn, blk.bn)
+
+
+def swiglu_rows(g, u, rw, limit: float, dtype):
+    """layers.swiglu(g, u) * rw on f32 GEMM outputs first rounded to `dtype` (what the reference feeds it)."""
+    g, u = g.astype(dtype).astype(F32), u.astype(dtype).astype(F32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return jax.nn.silu(g) * u * rw  # Pallas Triton lowers the logistic as 1 / (1 + exp(-g))
+
+
+def meta(group_sizes, M: int, E: int, blk):
+    n_items = max_work_items(M, E, blk.bm)
+    return n_items, tile_metadata(group_sizes, M, blk.bm, n_items)
+
+
+def call(kernel, args, out_shape, grid, blk, interpret: bool, name: str):
+    """pallas_call over raw refs; the last argument is the zero-initialised output buffer, aliased."""
+    anyspec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=[anyspec] * len(args), out_specs=anyspec,
+        input_output_aliases={len(args) - 1: 0},
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        interpret=interpret, name=name)(*args)
