@@ -44,7 +44,7 @@ from dsv41_jax.params import lin_weight
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
-from pallas_kernels import gemm, mhc
+from pallas_kernels import gemm, mega_mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
 from pallas_kernels import sparse_attention as attn_kernel
@@ -73,6 +73,41 @@ class IndexerInputs:
     uses_cand: bool  # this layer (Reindex) scores only the candidate blocks
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["h", "y", "mix"], meta_fields=[])
+@dataclass(frozen=True)
+class Residual:
+    """The mHC residual stream between two sublayers: h [B, T, hc, D] still owes the last sublayer's output
+    y [B, T, D], to be mixed in with the post / comb of the packed mixes `mix` [B, T, (2+hc)*hc] f32 (pre | post |
+    comb: layers.hc_split), whose pre is also the next sublayer's pre-mix (single-pass mHC). `hc_boundary`
+    settles it; owing nothing is y = 0, post = 0, comb = I (hc_post then returns h exactly)."""
+    h: jax.Array
+    y: jax.Array
+    mix: jax.Array
+
+    @staticmethod
+    def owing_nothing(cfg, h, pre) -> Residual:
+        """h [B, T, hc, D] with the pre-mix pre [B, T, hc] of its next sublayer."""
+        hc = cfg.hc_mult
+        eye = jnp.broadcast_to(jnp.eye(hc, dtype=F32), (*pre.shape[:-1], hc, hc))
+        return Residual(h, jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype),
+                        layers.hc_pack(pre.astype(F32), jnp.zeros_like(pre, F32), eye))
+
+    def settled(self, cfg) -> Residual:
+        """The same stream with y mixed in (the XLA hc_post; at band ends and before Engram)."""
+        pre, post, comb = layers.hc_split(cfg, self.mix)
+        return Residual.owing_nothing(cfg, layers.hc_post(self.y, self.h, post, comb), pre)
+
+    @property
+    def pre(self):
+        return self.mix[..., :self.h.shape[-2]]
+
+    def take_rows(self, rows) -> Residual:
+        """Rows [B, n] of every field (the decoder band's rows)."""
+        return Residual(jnp.take_along_axis(self.h, rows[:, :, None, None], axis=1),
+                        jnp.take_along_axis(self.y, rows[:, :, None], axis=1),
+                        jnp.take_along_axis(self.mix, rows[:, :, None], axis=1))
+
+
 # ----------------------------------------------------------------------------- Pallas implementations
 def _view(p):
     """(weight stack, scale stack or None, layer index or None) of a linear given as a LayerRef or a dict."""
@@ -81,16 +116,18 @@ def _view(p):
     return p["weight"], p.get("scale"), None
 
 
-def _pallas_linear_f32(cfg, p, x):
+def _pallas_linear_f32(cfg, p, x, xq=None):
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
-    xq = layers.act_qdq(cfg, x.astype(dt), p)
-    y = gemm.matmul(xq.reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
+    quantizes = cfg.qdq and s is not None
+    if xq is None or not quantizes:  # xq: x already quantised as act_qdq would (fp8_qdq is idempotent)
+        xq = layers.act_qdq(cfg, x.astype(dt), p)
+    y = gemm.matmul(xq.astype(dt).reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _pallas_linear(cfg, p, x):
-    return _pallas_linear_f32(cfg, p, x).astype(layers.cdtype(cfg))
+def _pallas_linear(cfg, p, x, xq=None):
+    return _pallas_linear_f32(cfg, p, x, xq).astype(layers.cdtype(cfg))
 
 
 def _xla_linear_f32(cfg, p, x):
@@ -167,9 +204,20 @@ def _pallas_attention(cfg, kv: PagedKV, a: AttentionOperands, state: KVState):
     return attn_kernel.paged_sparse_attention(a, view, scale=a.q.shape[-1] ** -0.5)
 
 
-def _pallas_hc_mixes(cfg, x, fn, scale, base):
-    m = layers.hc_logits(cfg, x, fn)
-    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
+    """Mega-mHC: the whole boundary in one kernel, the mHC weights read in place from their layer stacks."""
+    B, T, hc, D = res.h.shape
+    N = B * T
+    names = (f"hc_{sub}_fn", f"hc_{sub}_scale", f"hc_{sub}_base", f"{sub}_norm")
+    if isinstance(w, LayerRef):
+        arrays, layer = [w.stack[n] for n in names], w.index
+    else:
+        arrays, layer = [w[n] for n in names], None
+    h, x, xq, mix = mega_mhc.hc_boundary(
+        res.y.reshape(N, D), res.h.reshape(N, hc, D), res.mix.reshape(N, -1), *arrays, layer=layer, hc=hc,
+        iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.norm_eps, quantize=quantize)
+    return (h.reshape(B, T, hc, D), x.reshape(B, T, D), None if xq is None else xq.reshape(B, T, D),
+            mix.reshape(B, T, -1))
 
 
 # op name -> Pallas implementation (None: not written yet); each kernel lives in pallas_kernels/<op>/.
@@ -179,7 +227,7 @@ PALLAS_OPS: dict[str, object] = {
     "grouped_out_proj": _pallas_grouped_out_proj,  # WO-A, per output group
     "sparse_attention": _pallas_attention,  # the FP8 rings + top-k FP4 latents read in place, in one kernel
     "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
-    "hc_mixes": _pallas_hc_mixes,  # mHC coefficients (Sinkhorn) in one kernel
+    "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
 }
 
 
@@ -289,13 +337,17 @@ def _local_linear(ex: ExecContext):
 
 
 # ----------------------------------------------------------------------------- GEMMs
-def linear(ex: ExecContext, cfg, p, x, split: str | None = None):
+def linear(ex: ExecContext, cfg, p, x, split: str | None = None, xq=None):
     """y = x W^T for a bf16 or FP8 block-32 linear (`layers.linear`), output in the compute dtype.
     split: how tensor parallelism splits it: "column" (output rows; the result stays split on its last dim),
-    "row" (input columns, x split on its last dim; psum) or None (replicated). Ignored without TP."""
+    "row" (input columns, x split on its last dim; psum) or None (replicated). Ignored without TP.
+    xq: x already FP8-quantised as the linear quantises its input (`hc_boundary`'s output, or None); the Pallas
+    GEMM then skips its own quantisation (the same values: fp8_qdq is idempotent), the XLA reference ignores it."""
     if split is not None and ex.tp:
         f32 = _pallas_linear_f32 if ex.pallas else _xla_linear_f32
         return parallel.tp_linear(ex, cfg, p, x, split, _local_linear(ex), f32)
+    if xq is not None and ex.pallas:
+        return _pallas_linear(cfg, p, x, xq)
     return _local_linear(ex)(cfg, p, x)
 
 
@@ -309,20 +361,36 @@ def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):
     return layers.routed_experts(cfg, p, x, weights, idx) if impl is None else impl(cfg, p, x, weights, idx)
 
 
-def moe(ex: ExecContext, cfg, p, x, valid=None):
+def _pallas_moe(ex: ExecContext, cfg, p, x, xq, gate):
+    """`layers.moe` with the Pallas GEMMs, fed the FP8-quantised input `xq` of a fused producer when there is one
+    (the routed experts and the shared expert's w1 / w3 quantise x themselves otherwise: the same values)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq2 = None if xq is None else xq.reshape(x2.shape)
+    w, idx = gate(cfg, materialize(p["gate"]), x2)
+    experts_in = xq2 if xq2 is not None and "scale" in p["experts"]["w1"] else x2
+    y = routed_experts(ex, cfg, p["experts"], experts_in, w, idx)
+    sh = p["shared"]
+    hs = layers.swiglu(cfg, linear(ex, cfg, sh["w1"], x2, xq=xq2), linear(ex, cfg, sh["w3"], x2, xq=xq2))
+    y = y + linear(ex, cfg, sh["w2"], hs.astype(x.dtype)).astype(F32)
+    return y.astype(x.dtype).reshape(shape)
+
+
+def moe(ex: ExecContext, cfg, p, x, valid=None, xq=None):
     """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs).
-    valid [B, T] bool marks real rows (DEP never sends the others). Returns (y like x, rows dropped by the DEP
-    capacity: int32 scalar, 0 elsewhere)."""
+    valid [B, T] bool marks real rows (DEP never sends the others); xq: x FP8-quantised by its producer
+    (`hc_boundary`; used by the Pallas GEMMs only). Returns (y like x, rows dropped by the DEP capacity: int32
+    scalar, 0 elsewhere)."""
     none = jnp.zeros((), jnp.int32)
     gate = layers.balanced_gate if ex.hooks is not None and ex.hooks.balance else layers.gate
-    if not (ex.tp or ex.ep):
-        return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex), gate=gate), none
-    if ex.ep and ex.parallel.size == 1:
-        # One rank owns every expert: nothing to exchange, so the single-device MoE runs as is. On one H200 the
-        # ragged exchange with itself cost +16% decode ITL and +315% prefill (medium; bench/results/
-        # parallel_medium_h200_exchange.json): XLA's ragged_all_to_all is not free even with one peer.
+    if not ex.tp and (not ex.ep or ex.parallel.size == 1):
+        # (DEP over one rank: one rank owns every expert, nothing to exchange, so the single-device MoE runs as
+        # is. On one H200 the ragged exchange with itself cost +16% decode ITL and +315% prefill (medium;
+        # bench/results/parallel_medium_h200_exchange.json): XLA's ragged_all_to_all is not free with one peer.)
         local = replace(ex, mesh=None, parallel=None)
-        return layers.moe(cfg, p, x, lin=_local_linear(ex), experts=partial(routed_experts, local), gate=gate), none
+        if ex.pallas:
+            return _pallas_moe(local, cfg, p, x, xq, gate), none
+        return layers.moe(cfg, p, x, lin=lin(local), experts=partial(routed_experts, local), gate=gate), none
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     w, idx = gate(cfg, materialize(p["gate"]), x2)
@@ -360,9 +428,18 @@ def engram(ex: ExecContext, cfg, p, h, ids):
 
 
 # ----------------------------------------------------------------------------- mHC
-def hc_mixes(ex: ExecContext, cfg, x, fn, scale, base):
-    impl = _impl(ex, "hc_mixes")
-    return layers.hc_mixes(cfg, x, fn, scale, base) if impl is None else impl(cfg, x, fn, scale, base)
+def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
+    """A sublayer boundary (`layers.hc_boundary`): settle `res`, the next sublayer's input and the next mixes.
+    w: the layer's parameters (a LayerRef into the layer stacks, or a dict) with hc_{sub}_fn / _scale / _base and
+    {sub}_norm; sub: "attn" | "ffn". Returns (h' [B,T,hc,D], x [B,T,D], xq: x FP8-quantised for the next
+    sublayer's FP8 linears (Pallas with FP8 weights; else None), mix' [B,T,(2+hc)*hc])."""
+    impl = _impl(ex, "hc_boundary")
+    if impl is not None:
+        return impl(cfg, res, w, sub, cfg.qdq and cfg.weight_format == "fp8")
+    p = materialize(w)
+    h, x, mix = layers.hc_boundary(cfg, res.h, res.y, res.mix, p[f"hc_{sub}_fn"], p[f"hc_{sub}_scale"],
+                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"])
+    return h, x, None, mix
 
 
 # ----------------------------------------------------------------------------- attention and indexer

@@ -22,14 +22,14 @@ TINY = ModelConfig.preset("tiny")
 
 
 def test_kernels_pallas_fails_naming_the_missing_ops(monkeypatch):
-    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer", "hc_mixes"}
+    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer", "hc_boundary"}
     assert missing_pallas_ops() == []  # every op has its kernel today
     ExecContext(kernels="pallas")
-    for name in ("hc_mixes", "indexer"):  # an op without a kernel is refused by name, never silently XLA
+    for name in ("hc_boundary", "indexer"):  # an op without a kernel is refused by name, never silently XLA
         monkeypatch.setitem(PALLAS_OPS, name, None)
     with pytest.raises(ValueError) as e:
         EngineArgs(max_model_len=256, kernels="pallas").resolved(TINY)
-    assert "hc_mixes" in str(e.value) and "indexer" in str(e.value) and "linear" not in str(e.value)
+    assert "hc_boundary" in str(e.value) and "indexer" in str(e.value) and "linear" not in str(e.value)
     with pytest.raises(ValueError, match="no Pallas version"):
         ExecContext(kernels="pallas")
     with pytest.raises(ValueError, match="kernels must be one of"):
