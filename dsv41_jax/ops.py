@@ -44,7 +44,7 @@ from dsv41_jax.params import lin_weight
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
-from pallas_kernels import gemm, mega_mhc
+from pallas_kernels import gemm, mega_gate, mega_mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
 from pallas_kernels import sparse_attention as attn_kernel
@@ -220,6 +220,16 @@ def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
             mix.reshape(B, T, -1))
 
 
+def _pallas_gate(cfg, p, x):
+    """Mega-Gate: the router in one kernel, the gate weight read in place from its layer stack."""
+    w, b, layer = (p.stack["weight"], p.stack["bias"], p.index) if isinstance(p, LayerRef) else (
+        p["weight"], p["bias"], None)
+    lead = x.shape[:-1]
+    wts, idx = mega_gate.route(x.reshape(-1, x.shape[-1]), w, b, k=cfg.n_activated_experts,
+                               route_scale=cfg.route_scale, norm_topk_prob=cfg.norm_topk_prob, layer=layer)
+    return wts.reshape(*lead, -1), idx.reshape(*lead, -1)
+
+
 # op name -> Pallas implementation (None: not written yet); each kernel lives in pallas_kernels/<op>/.
 PALLAS_OPS: dict[str, object] = {
     "linear": _pallas_linear,  # small-M GEMM on bf16 / FP8 block-32 weights, layer read in-kernel
@@ -227,6 +237,7 @@ PALLAS_OPS: dict[str, object] = {
     "grouped_out_proj": _pallas_grouped_out_proj,  # WO-A, per output group
     "sparse_attention": _pallas_attention,  # the FP8 rings + top-k FP4 latents read in place, in one kernel
     "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
+    "gate": _pallas_gate,  # Mega-Gate: gate GEMM, sqrtsoftplus, bias, top-k, normalisation in one kernel
     "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
 }
 
@@ -367,7 +378,7 @@ def _pallas_moe(ex: ExecContext, cfg, p, x, xq, gate):
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq2 = None if xq is None else xq.reshape(x2.shape)
-    w, idx = gate(cfg, materialize(p["gate"]), x2)
+    w, idx = gate(cfg, _gate_weights(gate, p), x2)
     experts_in = xq2 if xq2 is not None and "scale" in p["experts"]["w1"] else x2
     y = routed_experts(ex, cfg, p["experts"], experts_in, w, idx)
     sh = p["shared"]
@@ -376,13 +387,25 @@ def _pallas_moe(ex: ExecContext, cfg, p, x, xq, gate):
     return y.astype(x.dtype).reshape(shape)
 
 
+def _gate(ex: ExecContext):
+    """The router: `layers.gate` (XLA), its kernel (Pallas), or `layers.balanced_gate` under the training hooks."""
+    if ex.hooks is not None and ex.hooks.balance:
+        return layers.balanced_gate
+    return _impl(ex, "gate") or layers.gate
+
+
+def _gate_weights(gate, p):
+    """The kernel reads the gate weight in place (a LayerRef); the jnp routers take the layer's arrays."""
+    return p["gate"] if gate is _pallas_gate else materialize(p["gate"])
+
+
 def moe(ex: ExecContext, cfg, p, x, valid=None, xq=None):
     """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs).
     valid [B, T] bool marks real rows (DEP never sends the others); xq: x FP8-quantised by its producer
     (`hc_boundary`; used by the Pallas GEMMs only). Returns (y like x, rows dropped by the DEP capacity: int32
     scalar, 0 elsewhere)."""
     none = jnp.zeros((), jnp.int32)
-    gate = layers.balanced_gate if ex.hooks is not None and ex.hooks.balance else layers.gate
+    gate = _gate(ex)
     if not ex.tp and (not ex.ep or ex.parallel.size == 1):
         # (DEP over one rank: one rank owns every expert, nothing to exchange, so the single-device MoE runs as
         # is. On one H200 the ragged exchange with itself cost +16% decode ITL and +315% prefill (medium;
@@ -393,7 +416,7 @@ def moe(ex: ExecContext, cfg, p, x, valid=None, xq=None):
         return layers.moe(cfg, p, x, lin=lin(local), experts=partial(routed_experts, local), gate=gate), none
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, idx = gate(cfg, materialize(p["gate"]), x2)
+    w, idx = gate(cfg, _gate_weights(gate, p), x2)
     if ex.tp:
         y, dropped = parallel.tp_moe(ex, cfg, p, x2, w, idx, _local_linear(ex)), none
     else:

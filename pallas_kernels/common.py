@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
 
 F32 = jnp.float32
 
@@ -64,6 +65,18 @@ def head_dims(bundle) -> dict:
 def interpret_default() -> bool:
     """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere."""
     return jax.default_backend() == "cpu"
+
+
+def last_arrival(counter_ref, index, arrivals: int, interpret: bool):
+    """Inside a kernel body: count this program's arrival at counter_ref[index] (int32, zeroed per call) and
+    return whether it is the last of `arrivals` programs to arrive there: that program may then read what the
+    others stored before their arrival (its loads of them should bypass L1: cache_modifier=".cg"). A CTA barrier
+    orders every thread's stores before the acquire-release atomic (Triton issues a scalar atomic from one
+    thread); interpret mode runs the programs one after another and has no barrier. No program ever waits, so
+    the grid may exceed what the GPU holds at once."""
+    if not interpret:
+        plt.debug_barrier()
+    return plt.atomic_add(counter_ref, index, jnp.int32(1)) == arrivals - 1
 
 
 def _i32(x):

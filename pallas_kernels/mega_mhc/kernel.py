@@ -9,10 +9,11 @@ At a boundary the residual stream h [N, hc, D] (bf16) still owes the previous su
 Mixes travel packed as [N, (2+hc)*hc] f32: pre | post | comb (row-major), the layout of the mixing logits
 (dsv41_jax.layers.hc_split).
 
-Kernel layout: grid (row blocks of `bn` rows, D chunks of `dk` columns). Phase 1 (every program) computes its
-chunk of h' (stored), of the unnormalised hc_pre (stored into x's buffer, bf16 as the reference rounds it) and
-f32 partials per row: the chunk's 24 logit partial sums (a plt.dot of h'[bn, dk] against fn's [32, dk] slice per
-copy, IEEE f32), sum h'^2 and sum x^2; it stores them in `part` [n_dc, N, 32]. The epilogue needs every chunk:
+Kernel layout: grid (row blocks of `bn` rows, D chunks of `dk` columns, walked in [bn, bk] steps). Phase 1
+(every program) computes its chunk of h' (stored), of the unnormalised hc_pre (stored into x's buffer, bf16 as
+the reference rounds it) and f32 partials per row: the chunk's 24 logit partial sums (a plt.dot of h'[bn, bk]
+against fn's [32, bk] slice per copy, IEEE f32), sum h'^2 and sum x^2; it stores them in `part` [n_dc, N, 32].
+The epilogue needs every chunk:
   single_launch (default): each program then bumps its row block's counter (an atomic add, acquire-release,
       after a CTA barrier); the program that arrives last adds the partials in chunk order (deterministic),
       runs the Sinkhorn, stores mix', and rescales its rows' x in place (then xq): one launch per boundary.
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import interpret_default
+from pallas_kernels.common import interpret_default, last_arrival
 from pallas_kernels.mhc.kernel import WIDTH, _col, _place, coefficients
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -51,23 +52,23 @@ COL_SSH, COL_SSX = 30, 31  # partial-sum columns of `part` past the (2+hc)*hc lo
 
 @dataclass(frozen=True)
 class MhcBlocks:
-    """bn rows x dk columns per program; num_warps of the Triton launch."""
+    """bn rows x dk columns per program (walked in [bn, min(dk, 4096 / bn)] steps); num_warps of the launch."""
     bn: int = 16
     dk: int = 256
     num_warps: int = 4
 
 
 def pick_blocks(n: int, d: int) -> MhcBlocks:
-    """16-row blocks (the plt.dot minimum) up to 64 rows, then 32; the widest chunk (<= 256) that divides D and
-    still gives a wave of programs (>= the SM count) at small N."""
+    """16-row blocks (the plt.dot minimum) up to 64 rows, then 32; the widest chunk (<= 1024) that divides D and
+    still gives about half a wave of programs at small N (more chunks: more partials for the epilogue to add)."""
     bn = 16 if n <= 64 else 32
     n_rb = -(-n // bn)
-    dk = 256
-    while dk > 32 and (d % dk or n_rb * (d // dk) < SM_COUNT // 2):
+    dk = 1024
+    while dk > 128 and (d % dk or n_rb * (d // dk) < SM_COUNT // 2):
         dk //= 2
     while d % dk:
         dk //= 2
-    return MhcBlocks(bn=bn, dk=max(dk, 32), num_warps=4 if bn * dk <= 4096 else 8)
+    return MhcBlocks(bn=bn, dk=max(dk, 32), num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class _Static:
     hc: int
     bn: int
     dk: int
+    bk: int
     n_dc: int
     iters: int
     eps: float
@@ -115,43 +117,47 @@ def fp8_qdq_block(x):
 
 
 def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_out, part):
-    """h', the unnormalised hc_pre and the f32 partials of one [bn, dk] chunk."""
-    hc, D, dk = st.hc, st.D, st.dk
+    """h', the unnormalised hc_pre and the f32 partials of one [bn, dk] chunk, in [bn, bk] steps."""
+    hc, D = st.hc, st.D
     mw = (2 + hc) * hc
     r0, ok = _rows(st, rb)
-    d0 = dc * dk
     cw = _cols(WIDTH) < mw
     z = _zero(rb)
     mix = plt.load(mix_ref.at[pl.ds(r0, st.bn), pl.ds(z, WIDTH)], mask=ok & cw, other=0.0)
     post = [_col(mix, hc + j) for j in range(hc)]
     comb = [[_col(mix, 2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
     pre = [_col(mix, j) for j in range(hc)]
-    y = plt.load(y_ref.at[pl.ds(r0, st.bn), pl.ds(d0, dk)], mask=ok, other=0.0).astype(F32)
-    hv = [plt.load(h_ref.at[pl.ds(r0, st.bn), pl.ds(i * D + d0, dk)], mask=ok, other=0.0).astype(F32)
-          for i in range(hc)]
     frows = jax.lax.broadcasted_iota(jnp.int32, (WIDTH, 1), 0) < mw
-    xs = None
-    ssh = jnp.zeros((st.bn,), F32)
-    m = jnp.zeros((st.bn, WIDTH), F32)
-    for j in range(hc):
-        mixj = comb[0][j][:, None] * hv[0]
-        for i in range(1, hc):
-            mixj = mixj + comb[i][j][:, None] * hv[i]
-        hn = (post[j][:, None] * y + mixj).astype(BF16)
-        plt.store(h_out.at[pl.ds(r0, st.bn), pl.ds(j * D + d0, dk)], hn, mask=ok)
-        hf = hn.astype(F32)
-        ssh = ssh + jnp.sum(hf * hf, axis=1)
-        term = pre[j][:, None] * hf
-        xs = term if xs is None else xs + term
-        fnj = plt.load(fn_ref.at[layer, pl.ds(z, WIDTH), pl.ds(j * D + d0, dk)], mask=frows, other=0.0)
-        m = m + plt.dot(hf, fnj, trans_b=True, allow_tf32=False)
-    xb = xs.astype(BF16)
-    plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, dk)], xb, mask=ok)
-    xf = xb.astype(F32)
-    ssx = jnp.sum(xf * xf, axis=1)
+
+    def step(t, carry):
+        m, ssh, ssx = carry
+        d0 = dc * st.dk + t * st.bk
+        y = plt.load(y_ref.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], mask=ok, other=0.0).astype(F32)
+        hv = [plt.load(h_ref.at[pl.ds(r0, st.bn), pl.ds(i * D + d0, st.bk)], mask=ok, other=0.0).astype(F32)
+              for i in range(hc)]
+        xs = None
+        for j in range(hc):
+            mixj = comb[0][j][:, None] * hv[0]
+            for i in range(1, hc):
+                mixj = mixj + comb[i][j][:, None] * hv[i]
+            hn = (post[j][:, None] * y + mixj).astype(BF16)
+            plt.store(h_out.at[pl.ds(r0, st.bn), pl.ds(j * D + d0, st.bk)], hn, mask=ok)
+            hf = hn.astype(F32)
+            ssh = ssh + jnp.sum(hf * hf, axis=1)
+            term = pre[j][:, None] * hf
+            xs = term if xs is None else xs + term
+            fnj = plt.load(fn_ref.at[layer, pl.ds(z, WIDTH), pl.ds(j * D + d0, st.bk)], mask=frows, other=0.0)
+            m = m + plt.dot(hf, fnj, trans_b=True, allow_tf32=False)
+        xb = xs.astype(BF16)
+        plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], xb, mask=ok)
+        xf = xb.astype(F32)
+        return m, ssh, ssx + jnp.sum(xf * xf, axis=1)
+
+    zero = jnp.zeros((st.bn,), F32)
+    m, ssh, ssx = jax.lax.fori_loop(0, st.dk // st.bk, step, (jnp.zeros((st.bn, WIDTH), F32), zero, zero))
     cols = _cols(WIDTH)
     m = jnp.where(cols == COL_SSH, ssh[:, None], jnp.where(cols == COL_SSX, ssx[:, None], m))
-    plt.store(part.at[dc, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], m, mask=ok)
+    plt.store(part.at[dc, pl.ds(r0, st.bn), pl.ds(z, WIDTH)], m, mask=ok)
 
 
 def _partials(st: _Static, rb, part):
@@ -184,16 +190,22 @@ def _mixes(st: _Static, rb, layer, acc, scale_ref, base_ref, mix_out):
               mask=ok & (_cols(WIDTH) < mw))
 
 
-def _normalise_chunk(st: _Static, rb, dc, layer, rx, x_src, norm_ref, x_out, xq_out, cache):
+def _normalise(st: _Static, rb, d_start, n_steps, layer, rx, x_src, norm_ref, x_out, xq_out, cache):
+    """x = norm_w * (x_src * rx) rounded to bf16 (and its FP8 qdq) over columns d_start .. + n_steps * bk."""
     r0, ok = _rows(st, rb)
-    d0 = dc * st.dk
-    xv = plt.load(x_src.at[pl.ds(r0, st.bn), pl.ds(d0, st.dk)], mask=ok, other=0.0, cache_modifier=cache)
-    w = plt.load(norm_ref.at[layer, pl.ds(d0, st.dk)]).astype(F32)
-    xn = (w[None, :] * (xv.astype(F32) * rx[:, None])).astype(BF16)
-    plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.dk)], xn, mask=ok)
-    if st.quantize:
-        plt.store(xq_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.dk)], fp8_qdq_block(xn.astype(F32)).astype(BF16),
-                  mask=ok)
+
+    def step(t, c):
+        d0 = d_start + t * st.bk
+        xv = plt.load(x_src.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], mask=ok, other=0.0, cache_modifier=cache)
+        w = plt.load(norm_ref.at[layer, pl.ds(d0, st.bk)]).astype(F32)
+        xn = (w[None, :] * (xv.astype(F32) * rx[:, None])).astype(BF16)
+        plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], xn, mask=ok)
+        if st.quantize:
+            plt.store(xq_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], fp8_qdq_block(xn.astype(F32)).astype(BF16),
+                      mask=ok)
+        return c
+
+    jax.lax.fori_loop(0, n_steps, step, 0)
 
 
 def _rx(st: _Static, acc):
@@ -208,21 +220,11 @@ def _fused_kernel(layer_ref, y_ref, h_ref, mix_ref, fn_ref, scale_ref, base_ref,
     rb, dc = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     _phase1(st, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_out, part)
-    if not st.interpret:
-        plt.debug_barrier()  # every thread's stores before the release below (interpret runs programs in order)
-    arrived = plt.atomic_add(cnt, rb, jnp.int32(1))
-
-    @pl.when(arrived == st.n_dc - 1)
+    @pl.when(last_arrival(cnt, rb, st.n_dc, st.interpret))
     def _epilogue():
         acc = _partials(st, rb, part)
         _mixes(st, rb, layer, acc, scale_ref, base_ref, mix_out)
-        rx = _rx(st, acc)
-
-        def body(k, c):
-            _normalise_chunk(st, rb, k, layer, rx, x_out, norm_ref, x_out, xq_out, ".cg")
-            return c
-
-        jax.lax.fori_loop(0, st.n_dc, body, 0)
+        _normalise(st, rb, 0, st.D // st.bk, layer, _rx(st, acc), x_out, norm_ref, x_out, xq_out, ".cg")
 
 
 def _phase1_kernel(layer_ref, y_ref, h_ref, mix_ref, fn_ref, h_out, xun_out, part, *, st: _Static):
@@ -241,7 +243,7 @@ def _phase2_kernel(layer_ref, part, xun, scale_ref, base_ref, norm_ref, *outs, s
     def _():
         _mixes(st, rb, layer, acc, scale_ref, base_ref, mix_out)
 
-    _normalise_chunk(st, rb, dc, layer, _rx(st, acc), xun, norm_ref, x_out, xq_out, None)
+    _normalise(st, rb, dc * st.dk, st.dk // st.bk, layer, _rx(st, acc), xun, norm_ref, x_out, xq_out, None)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "single_launch", "num_warps"))
@@ -305,8 +307,8 @@ def hc_boundary(y, h, mix, fn, scale, base, norm_w, *, layer=None, hc: int, iter
     if D % b.dk or D % 32 or b.dk & (b.dk - 1) or b.bn < 16 or b.bn & (b.bn - 1):
         raise ValueError(f"mega_mhc: D={D} with blocks {b} (power-of-two blocks, bn >= 16, dk | D)")
     interpret = interpret_default() if interpret is None else interpret
-    st = _Static(N=N, D=D, hc=hc, bn=b.bn, dk=b.dk, n_dc=D // b.dk, iters=iters, eps=float(eps),
-                 norm_eps=float(norm_eps), quantize=quantize, interpret=interpret)
+    st = _Static(N=N, D=D, hc=hc, bn=b.bn, dk=b.dk, bk=min(b.dk, 4096 // b.bn), n_dc=D // b.dk, iters=iters,
+                 eps=float(eps), norm_eps=float(norm_eps), quantize=quantize, interpret=interpret)
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     return _call(lay, y.astype(BF16), h.astype(BF16), mix.astype(F32), fn, scale, base, norm_w,
                  st=st, single_launch=single_launch, num_warps=b.num_warps)
