@@ -185,10 +185,10 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
         sel = shared["topk"]
     # window (ring before this chunk + the chunk) and selected latents, then the chunk enters the ring
     a = ops.AttentionOperands(q=q, chunk_kv=kv, pos0=rows.pos0, clip=rows.clip, sel=sel, sink=ap["attn_sink"],
-                              layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh)
+                              layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh,
+                              freqs=freqs)
     o = ops.csa_attention(ex, cfg, a, state)
     state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
-    o = apply_rope(o, rows.qpos, freqs, inverse=True)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
     return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, aux, topk
 

@@ -41,6 +41,7 @@ from dsv41_jax import attention as attn
 from dsv41_jax import layers, parallel, quant
 from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
+from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
@@ -467,9 +468,10 @@ def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
 
 # ----------------------------------------------------------------------------- attention and indexer
 def csa_attention(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
-    """One layer's CSA2 attention core (before the inverse RoPE): a.q [B,T,H,d] over each row's sliding window
-    (the ring before this chunk + the chunk's own a.chunk_kv [B,T,d], in the reference's list order, clipped at
-    a.clip) followed by its selected compressed latents (a.sel [B,T,k], -1 = none; None for SWA-only layers).
+    """One layer's CSA2 attention core, then the inverse RoPE when a.freqs is given: a.q [B,T,H,d] over each row's
+    sliding window (the ring before this chunk + the chunk's own a.chunk_kv [B,T,d], in the reference's list
+    order, clipped at a.clip) followed by its selected compressed latents (a.sel [B,T,k], -1 = none; None for
+    SWA-only layers).
     TP: each rank its heads of the operands (their `heads` fields), over the replicated window / latents."""
     local = partial(_csa_local, replace(ex, mesh=None, parallel=None))
     if ex.tp:
@@ -477,10 +479,22 @@ def csa_attention(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     return local(cfg, a, state)
 
 
+def _inverse_rope(a: AttentionOperands, o):
+    """The attention output's inverse RoPE at its query positions (when the operands carry the layer's freqs)."""
+    if a.freqs is None:
+        return o
+    qpos = a.pos0[:, None] + jnp.arange(o.shape[1], dtype=jnp.int32)[None]
+    return apply_rope(o, qpos, a.freqs, inverse=True)
+
+
 def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     impl = _impl(ex, "sparse_attention")
     if impl is not None and not a.fresh:
-        return impl(cfg, ex.kv, a, state)
+        return impl(cfg, ex.kv, a, state)  # the kernel applies the inverse RoPE in its epilogue
+    return _inverse_rope(a, _csa_core(ex, cfg, a, state))
+
+
+def _csa_core(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     if ex.hooks is not None and ex.hooks.attention == "blocked" and a.fresh:
         return blocked_attention(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
     q, kv = a.q, a.chunk_kv

@@ -18,7 +18,11 @@ are masked (they read nothing and yield 0) and their scores are selected to -inf
 Numerics (the official kernel's, as dsv41_jax.attention.sparse_attention emulates): s = (q . k in f32) * scale;
 softmax online over consecutive 64-entry chunks of the key list with a cumulative running max floored at
 -1e30; unnormalised probabilities exp(s - running_max) are rounded to bf16 before P.V; the denominator adds
-exp(sink_h - final_max). o = numerator / denominator, cast to bf16.
+exp(sink_h - final_max). o = numerator / denominator, cast to bf16. With `freqs` (the layer's RoPE frequencies)
+o then leaves with the model's inverse RoPE at the row's position (dsv41_jax.rope.apply_rope(inverse=True): the
+last 2 * len(freqs) channels, interleaved pairs, rotated in f32 from the bf16 o, cast back), in the kernel's
+epilogue (one split) or after the XLA merge of the splits; the rotation's cos / sin may differ from XLA's by an
+f32 ulp (one bf16 ulp of o, rarely).
 
 Contract (against the reference above):
 - The kernel decodes the keys exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale has <= 6
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +113,7 @@ class _Static:
     decode: str
     align: int  # power of two dividing every selected entry's byte offset
     has_sel: bool
+    rope: int = 0  # len(freqs): inverse RoPE on the last 2 * rope channels (0: none)
 
 
 def _iota(n):
@@ -197,7 +202,24 @@ def _selected_keys(st: _Static, c, r, b, region, sel_ref, pt_ref, pages_ref):
     return _scaled(v_e, scl, 8), _scaled(v_o, scl, 8), valid
 
 
+def _inverse_rope_planes(o_e, o_o, t, freqs):
+    """dsv41_jax.rope.apply_rope(inverse=True) on bf16-rounded even / odd planes [.., d/2] (f32 in, f32 out) at
+    position t; freqs [d/2] f32 is zero on the unrotated plane columns (cos 0 = 1, sin 0 = 0: exact identity)."""
+    ang = t.astype(F32) * freqs
+    cos, sin = jnp.cos(ang), -jnp.sin(ang)
+    a = o_e.astype(BF16).astype(F32)
+    b = o_o.astype(BF16).astype(F32)
+    return a * cos - b * sin, a * sin + b * cos
+
+
+def _plane_freqs(freqs, d: int):
+    """[rope] RoPE frequencies -> [d/2] per plane column (zeros before the rotated tail)."""
+    return jnp.pad(freqs.astype(F32), (d // 2 - freqs.shape[0], 0))
+
+
 def _kernel(rows_ref, q_ref, sink_ref, ckv_ref, ring_ref, *rest, st: _Static):
+    if st.rope:
+        freq_ref, *rest = rest
     if st.has_sel:
         sel_ref, pt_ref, pages_ref, *outs = rest
     else:
@@ -238,7 +260,10 @@ def _kernel(rows_ref, q_ref, sink_ref, ckv_ref, ring_ref, *rest, st: _Static):
     if st.splits == 1:
         (o_ref,) = outs
         den = l + jnp.exp(sink_ref[...] - m)
-        o_ref[...] = _interleave(acc_e / den[:, None], acc_o / den[:, None]).astype(o_ref.dtype)
+        o_e, o_o = acc_e / den[:, None], acc_o / den[:, None]
+        if st.rope:
+            o_e, o_o = _inverse_rope_planes(o_e, o_o, t, freq_ref[...][None, :])
+        o_ref[...] = _interleave(o_e, o_o).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = outs
         acc_ref[...] = _interleave(acc_e, acc_o)
@@ -306,7 +331,7 @@ def paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, 
     st = _Static(d=d, W=W, T=T, n_win=n_win, n_chunks=n_win + n_sel, per=bs.chunks_per_split,
                  splits=bs.num_splits, bh=bs.block_h, n=kv.page_tokens // max(a.ratio, 1), eb=eb,
                  max_pages=1 if sel is None else kv.page_table.shape[1], scale=float(scale), decode=decode,
-                 align=math.gcd(eb, 16), has_sel=sel is not None)
+                 align=math.gcd(eb, 16), has_sel=sel is not None, rope=0 if a.freqs is None else a.freqs.shape[0])
     return _call(st, bs, interpret, _poison_out, a, kv, region)
 
 
@@ -335,6 +360,9 @@ def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a:
     anyspec = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [anyspec, qspec,
                 pl.BlockSpec((bh,), lambda r, h, s: (h,)), anyspec, anyspec]
+    if st.rope and S == 1:
+        inputs.append(_plane_freqs(a.freqs, d))
+        in_specs.append(pl.BlockSpec((d // 2,), lambda r, h, s: (0,)))
     if st.has_sel:
         sl = sel.reshape(BT, sel.shape[-1]).astype(jnp.int32)
         kp = (st.n_chunks - st.n_win) * CHUNK
@@ -351,7 +379,7 @@ def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a:
         out_specs = [pl.BlockSpec((None, None, bh, d), lambda r, h, s: (r, s, h, 0)),
                      pl.BlockSpec((None, None, bh), lambda r, h, s: (r, s, h)),
                      pl.BlockSpec((None, None, bh), lambda r, h, s: (r, s, h))]
-    kernel = functools.partial(_kernel, st=st)
+    kernel = functools.partial(_kernel, st=replace(st, rope=st.rope if S == 1 else 0))
     aliases = {}
     if poison:  # NaN-filled outputs passed in and aliased: an unwritten block stays NaN
         n_in = len(inputs)
@@ -367,6 +395,10 @@ def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a:
         o = outs[0]
     else:
         o = _merge(*outs, sk).astype(q.dtype)
+        if st.rope:  # the splits' merge runs in XLA: rotate there (one fusion with the merge)
+            e_, o_ = _inverse_rope_planes(o[..., 0::2].astype(F32), o[..., 1::2].astype(F32), rows[:, 1, None, None],
+                                          _plane_freqs(a.freqs, d))
+            o = _interleave(e_, o_).astype(q.dtype)
     return o[:, :H].reshape(B, T, H, d)
 
 
