@@ -48,6 +48,7 @@ from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mega_gate, mega_mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
+from pallas_kernels import ring_write as ring_kernel
 from pallas_kernels import sparse_attention as attn_kernel
 
 KERNEL_CHOICES = ("xla", "pallas")
@@ -231,6 +232,12 @@ def _pallas_gate(cfg, p, x):
     return wts.reshape(*lead, -1), idx.reshape(*lead, -1)
 
 
+def _pallas_ring_write(cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:
+    """The chunk's entries quantised, packed and stored into the packed ring pool in place, in one kernel."""
+    pool = ring_kernel.ring_write(state.swa.pool, kv, state.swa.slots, pos0, n_valid, l)
+    return replace(state, swa=replace(state.swa, pool=pool))
+
+
 # op name -> Pallas implementation (None: not written yet); each kernel lives in pallas_kernels/<op>/.
 PALLAS_OPS: dict[str, object] = {
     "linear": _pallas_linear,  # small-M GEMM on bf16 / FP8 block-32 weights, layer read in-kernel
@@ -239,6 +246,7 @@ PALLAS_OPS: dict[str, object] = {
     "sparse_attention": _pallas_attention,  # the FP8 rings + top-k FP4 latents read in place, in one kernel
     "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
     "gate": _pallas_gate,  # Mega-Gate: gate GEMM, sqrtsoftplus, bias, top-k, normalisation in one kernel
+    "ring_write": _pallas_ring_write,  # FP8 quantise + pack + in-place store of the SWA entries
     "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
 }
 
@@ -516,7 +524,10 @@ def _csa_core(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
 
 def ring_write(ex: ExecContext, cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:
     """The chunk's SWA entries [B,T,d] (its first n_valid rows) enter layer l's rings (the state's SWA
-    strategy: per-sequence rings, or the packed pool in place)."""
+    strategy: per-sequence rings, or the packed pool in place: one kernel with Pallas)."""
+    impl = _impl(ex, "ring_write")
+    if impl is not None and isinstance(state.swa, SwaPool) and cfg.qdq:
+        return impl(cfg, state, l, kv, pos0, n_valid)
     return replace(state, swa=state.swa.write(cfg, l, kv, pos0, n_valid))
 
 

@@ -41,12 +41,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import interpret_default, last_arrival
+from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival
 from pallas_kernels.mhc.kernel import WIDTH, _col, _place, coefficients
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SM_COUNT = 132  # H200
-FP8_MAX = 448.0
 COL_SSH, COL_SSX = 30, 31  # partial-sum columns of `part` past the (2+hc)*hc logits
 
 
@@ -100,20 +99,6 @@ def _zero(rb):
 
 def _cols(n):
     return jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
-
-
-def fp8_qdq_block(x):
-    """fp8_qdq(x, 32) of an f32 [bn, dk] block inside a kernel (dsv41_jax.quant's rule: UE8M0 scale
-    2^ceil(log2(max(amax, 1e-4) / 448)) from the f32 bits, E4M3 round-to-nearest-even, saturating)."""
-    bn, dk = x.shape
-    b = x.reshape(bn, dk // 32, 32)
-    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=2), 1e-4)
-    bits = jax.lax.bitcast_convert_type(amax * jnp.float32(1.0 / FP8_MAX), jnp.int32)
-    code = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # >= 104 (amax >= 1e-4)
-    scale = jax.lax.bitcast_convert_type(code << 23, F32)
-    inv = jax.lax.bitcast_convert_type((254 - code) << 23, F32)  # 1 / scale, exact
-    q = jnp.clip(b * inv[:, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return (q.astype(F32) * scale[:, :, None]).reshape(bn, dk)
 
 
 def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_out, part):
