@@ -1,11 +1,12 @@
 """The fused decode kernels against the unfused paths they replace, at the full model's shapes, in one run.
 
-    python -m bench.fused_kernels --out bench/results/fused_kernels_h200.json    (H200: about 3 minutes)
+    python -m bench.fused_kernels --out FILE.json    (H200: about 3 minutes; the result of record: fused_kernels_h200)
     python -m bench.fused_kernels --smoke                                         (CPU, interpret mode: tiny shapes)
 
 Ops (cases from bench/kernels/<op>.py `variants()`): mega_mhc (one mHC sublayer boundary, D = 5120; unfused sides:
 "xla" = the model's XLA path, "prev_pallas" = the composition --kernels pallas ran before: XLA glue around the
-Sinkhorn kernel) and mega_gate (the router, D = 5120, E = 384 (full) and 16 (medium), top-6; unfused: "xla"),
+Sinkhorn kernel), mega_gate (the router, D = 5120, E = 384 (full) and 16 (medium), top-6; unfused: "xla") and
+ring_write (the FP8 SWA ring write of decode rows into a 40-layer pool, d = 512; unfused: "xla", SwaPool.write),
 each at N = 1, 8, 32, 256 rows.
 
 For every (op, N): numerics first (each fused implementation against the reference: max |diff| / max |ref| per
@@ -38,7 +39,7 @@ import numpy as np
 from bench.common import write_result
 from bench.kernels.timing import device_us, wall_us
 
-OPS = ("mega_mhc", "mega_gate")
+OPS = ("mega_mhc", "mega_gate", "ring_write")
 
 
 def compare(got, want) -> dict:
@@ -58,14 +59,23 @@ def compare(got, want) -> dict:
     return {"rel_err": err, "int_mismatch": mism}
 
 
-def looped(fn, n_layers: int, loop: int):
-    """One program calling fn `loop` times, call i on layer i % n_layers (the last argument), outputs kept alive."""
+def looped(fn, n_layers: int, loop: int, carry: int | None = None):
+    """One program calling fn `loop` times, call i on layer i % n_layers (the last argument), outputs kept alive;
+    with `carry`, that argument is the loop's carry and each call's output replaces it (state updated in place)."""
 
     @jax.jit
     def run(*args):
+        def call(i, a):
+            return fn(*a[:-1], (a[-1] + i) % n_layers)
+
+        if carry is not None:
+            def body(i, c):
+                return call(i, args[:carry] + (c,) + args[carry + 1:])
+
+            return jnp.sum(jax.lax.fori_loop(0, loop, body, args[carry]).reshape(-1)[:1].astype(jnp.float32))
+
         def body(i, acc):
-            out = fn(*args[:-1], (args[-1] + i) % n_layers)
-            leaf = jax.tree.leaves(out)[0]
+            leaf = jax.tree.leaves(call(i, args))[0]
             return acc + leaf.reshape(-1)[0].astype(jnp.float32)
 
         return jax.lax.fori_loop(0, loop, body, jnp.zeros((), jnp.float32))
@@ -73,8 +83,8 @@ def looped(fn, n_layers: int, loop: int):
     return run
 
 
-def loop_us(fn, args, n_layers, loop, reps) -> float:
-    run = looped(fn, n_layers, loop)
+def loop_us(fn, args, n_layers, loop, reps, carry=None) -> float:
+    run = looped(fn, n_layers, loop, carry)
     jax.block_until_ready(run(*args))
     ts = []
     for _ in range(reps):
@@ -82,10 +92,6 @@ def loop_us(fn, args, n_layers, loop, reps) -> float:
         jax.block_until_ready(run(*args))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e6 / loop
-
-
-def _layers_of(args) -> int:
-    return max(a.shape[0] for a in jax.tree.leaves(args[:-1]) if a.ndim == 3)
 
 
 def run_case(v, a, t_end) -> list[dict]:
@@ -99,14 +105,14 @@ def run_case(v, a, t_end) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - report and go on
         traceback.print_exc()
         return [dict(base, impl="reference", error=f"{type(exc).__name__}: {str(exc)[:300]}")]
-    n_layers = _layers_of(args)
+    n_layers = v["n_layers"]
     for kind, impls in (("fused", v["fused"]), ("unfused", v["unfused"])):
         for name, fn in impls.items():
             row = dict(base, impl=name, kind=kind)
             try:
                 if kind == "fused":
                     row.update(compare(fn(*args), want))
-                row["loop_us"] = loop_us(fn, args, n_layers, a.loop, a.reps)
+                row["loop_us"] = loop_us(fn, args, n_layers, a.loop, a.reps, v.get("carry"))
                 row["wall_us"] = wall_us(fn, args, a.iters)
                 if not a.no_trace:
                     row["dev_us"] = device_us(fn, args, a.iters)

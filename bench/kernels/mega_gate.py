@@ -67,4 +67,4 @@ def variants(smoke: bool = False) -> list[dict]:
     d, es, n_layers, ns = (256, (48,), 2, (5,)) if smoke else (FULL_D, (384, 16), FULL_L, NS)
     return [{"op": f"mega_gate_E{e}", "n": n, "make_args": functools.partial(make_args, n, d, e, n_layers),
              "bytes": nbytes(n, d, e), "reference": reference(e), "fused": {"fused": fused(e)},
-             "unfused": {"xla": reference(e)}} for e in es for n in ns]
+             "unfused": {"xla": reference(e)}, "n_layers": n_layers} for e in es for n in ns]

@@ -94,4 +94,4 @@ def variants(smoke: bool = False) -> list[dict]:
     return [{"op": "mega_mhc", "n": n, "make_args": functools.partial(make_args, n, d, n_layers),
              "bytes": nbytes(n, d), "reference": reference,
              "fused": {"fused": fused(True), "fused_2launch": fused(False)},
-             "unfused": {"xla": reference, "prev_pallas": previous}} for n in ns]
+             "unfused": {"xla": reference, "prev_pallas": previous}, "n_layers": n_layers} for n in ns]
