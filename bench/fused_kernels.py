@@ -6,8 +6,9 @@
 Ops (cases from bench/kernels/<op>.py `variants()`): mega_mhc (one mHC sublayer boundary, D = 5120; unfused sides:
 "xla" = the model's XLA path, "prev_pallas" = the composition --kernels pallas ran before: XLA glue around the
 Sinkhorn kernel), mega_gate (the router, D = 5120, E = 384 (full) and 16 (medium), top-6; unfused: "xla") and
-ring_write (the FP8 SWA ring write of decode rows into a 40-layer pool, d = 512; unfused: "xla", SwaPool.write),
-each at N = 1, 8, 32, 256 rows.
+ring_write (the FP8 SWA ring write of decode rows into a 40-layer pool, d = 512; unfused: "xla", SwaPool.write)
+and sparse_attention (the paged attention kernel with its in-kernel split merge and inverse RoPE, full decode
+shape; unfused: "xla", the model's path), each at N = 1, 8, 32, 256 rows.
 
 For every (op, N): numerics first (each fused implementation against the reference: max |diff| / max |ref| per
 float output, the fraction of differing integer outputs), then every implementation timed three ways:
@@ -39,7 +40,7 @@ import numpy as np
 from bench.common import write_result
 from bench.kernels.timing import device_us, wall_us
 
-OPS = ("mega_mhc", "mega_gate", "ring_write")
+OPS = ("mega_mhc", "mega_gate", "ring_write", "sparse_attention")
 
 
 def compare(got, want) -> dict:
