@@ -171,23 +171,39 @@ def _pallas_grouped_out_proj(cfg, w, o):
     return y.astype(o.dtype).reshape(G, B, T, -1).transpose(1, 2, 0, 3)
 
 
-def _pallas_indexer(cfg, kv: PagedKV, p, a: IndexerInputs, state: KVState):
+def _paged_index_scores(q, w, keys, head_partial: bool = False):
+    blocks, visible, view, ratio, bs = keys
+    return index_kernel.index_scores_paged(
+        index_kernel.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=ratio, block_size=bs), view,
+        head_partial=head_partial)
+
+
+def _pallas_indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
     """Score paged FP4 index keys in place: every block at full-scan layers, only the candidate blocks at the
-    Reindex layers (cost flat in the context); the selection rules are the reference's."""
+    Reindex layers (cost flat in the context); the selection rules are the reference's. TP: each rank scores its
+    index heads (their f32 partial sums psum'd, then rounded once: parallel.tp_paged_index_scores)."""
+    kv = ex.kv
     if not kv.paged:
         raise ValueError("the Pallas indexer reads the paged global KV (PagedKV)")
-    q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
     visible = (a.qpos + 1) // a.ratio
     C = kv.capacity(state.glob, a.ratio)
     bs = cfg.candidate_block_size
     B, T = a.qpos.shape
     nb = -(-C // bs)
     blocks = a.cand if a.uses_cand else jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, 1, nb))
-    scores = index_kernel.index_scores_paged(
-        index_kernel.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=a.ratio, block_size=bs),
-        index_kernel.PagedIndexKV(pages=state.glob.pages, page_table=state.glob.page_table,
-                                  region=kv.region_offset("idx", a.ratio, a.src), page_tokens=kv.layout.page_tokens,
-                                  entry_bytes=kv.layout.entry_bytes("idx")))
+    view = index_kernel.PagedIndexKV(pages=state.glob.pages, page_table=state.glob.page_table,
+                                     region=kv.region_offset("idx", a.ratio, a.src),
+                                     page_tokens=kv.layout.page_tokens, entry_bytes=kv.layout.entry_bytes("idx"))
+    if ex.tp:
+        keys = (blocks, visible, view)
+
+        def score(q, w, k):
+            return _paged_index_scores(q, w, (*k, a.ratio, bs), head_partial=True)
+
+        scores = parallel.tp_paged_index_scores(ex, cfg, p, a, keys, score, _pallas_linear)
+    else:
+        q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
+        scores = _paged_index_scores(q, w, (blocks, visible, view, a.ratio, bs))
     cand = a.cand
     if a.cand_source:
         cand = attn.candidate_block_ids(scores, visible, n_keep=cfg.candidate_topk_blocks, block_size=bs)
@@ -286,11 +302,13 @@ def check_kernels(kernels: str):
 
 
 def check_kernels_with_parallel(kernels: str, parallel: Parallel | None):
-    """The one home of the rule that the Pallas kernels do not run under tensor parallelism (the engine's config
-    calls it too): raise ValueError if `kernels` cannot run with `parallel`."""
-    if kernels == "pallas" and parallel is not None and parallel.mode == "tp":
-        raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split "
-                         "mode yet (use --kernels xla, or --data-parallel-size)")
+    """The one home of the rules on kernels and parallel layouts (the engine's config calls it too): raise
+    ValueError if `kernels` cannot run with `parallel`. Every Pallas kernel runs under TP (head-split attention,
+    indexer and WO-A inside their shard_maps, the replicated ops' kernels on every rank) and under DP / DEP (the
+    whole step per rank), so there is nothing to refuse today."""
+    check_kernels(kernels)
+    if parallel is not None and parallel.mode not in ("tp", "dp"):
+        raise ValueError(f"unknown parallel mode {parallel.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -366,6 +384,8 @@ def linear(ex: ExecContext, cfg, p, x, split: str | None = None, xq=None):
     if split is not None and ex.tp:
         f32 = _pallas_linear_f32 if ex.pallas else _xla_linear_f32
         return parallel.tp_linear(ex, cfg, p, x, split, _local_linear(ex), f32)
+    if ex.pallas and ex.tp:  # a replicated linear: the kernel on every rank
+        return parallel.replicated(ex, lambda p_, x_, xq_: _pallas_linear(cfg, p_, x_, xq_), p, x, xq)
     if xq is not None and ex.pallas:
         return _pallas_linear(cfg, p, x, xq)
     return _local_linear(ex)(cfg, p, x)
@@ -425,7 +445,10 @@ def moe(ex: ExecContext, cfg, p, x, valid=None, xq=None):
         return layers.moe(cfg, p, x, lin=lin(local), experts=partial(routed_experts, local), gate=gate), none
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, idx = gate(cfg, _gate_weights(gate, p), x2)
+    if ex.tp and gate is _pallas_gate:
+        w, idx = parallel.replicated(ex, lambda g, x_: gate(cfg, g, x_), p["gate"], x2)
+    else:
+        w, idx = gate(cfg, _gate_weights(gate, p), x2)
     if ex.tp:
         y, dropped = parallel.tp_moe(ex, cfg, p, x2, w, idx, _local_linear(ex)), none
     else:
@@ -467,7 +490,10 @@ def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
     sublayer's FP8 linears (Pallas with FP8 weights; else None), mix' [B,T,(2+hc)*hc])."""
     impl = _impl(ex, "hc_boundary")
     if impl is not None:
-        return impl(cfg, res, w, sub, cfg.qdq and cfg.weight_format == "fp8")
+        quantize = cfg.qdq and cfg.weight_format == "fp8"
+        if ex.tp:
+            return parallel.replicated(ex, lambda r, w_: impl(cfg, r, w_, sub, quantize), res, w)
+        return impl(cfg, res, w, sub, quantize)
     p = materialize(w)
     h, x, mix = layers.hc_boundary(cfg, res.h, res.y, res.mix, p[f"hc_{sub}_fn"], p[f"hc_{sub}_scale"],
                                    p[f"hc_{sub}_base"], p[f"{sub}_norm"])
@@ -527,6 +553,8 @@ def ring_write(ex: ExecContext, cfg, state: KVState, l, kv, pos0, n_valid) -> KV
     strategy: per-sequence rings, or the packed pool in place: one kernel with Pallas)."""
     impl = _impl(ex, "ring_write")
     if impl is not None and isinstance(state.swa, SwaPool) and cfg.qdq:
+        if ex.tp:
+            return parallel.replicated(ex, lambda *a: impl(cfg, *a), state, l, kv, pos0, n_valid)
         return impl(cfg, state, l, kv, pos0, n_valid)
     return replace(state, swa=state.swa.write(cfg, l, kv, pos0, n_valid))
 
@@ -546,7 +574,7 @@ def indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
     at the candidate source). Reindex layers (`a.uses_cand`) score only the candidate blocks."""
     impl = _impl(ex, "indexer")
     if impl is not None:
-        return impl(cfg, ex.kv, p, a, state)
+        return impl(ex, cfg, p, a, state)
     index_k = ex.kv.index_keys(state.glob, a.ratio, a.src)
     if ex.tp:
         scores = parallel.tp_index_scores(ex, cfg, p, a, index_k, layers.linear)

@@ -53,13 +53,16 @@ def test_exec_context_is_part_of_the_jit_key():
     assert hooked != ExecContext(hooks=TrainHooks(indexer_stride=2))
 
 
-def test_tp_with_pallas_is_refused_in_one_place():
+def test_the_kernels_serve_tp_and_dep_layouts():
+    """Every Pallas kernel runs under TP and DP / DEP (the TP results against one device: tests/test_parallel.py);
+    the one rule's home still refuses unknown kernel names."""
     from dsv41_jax.sharding import Parallel
 
-    tp = Parallel.from_flags(2, 1, False, False)
-    check_kernels_with_parallel("xla", tp)
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        check_kernels_with_parallel("pallas", tp)
+    for par in (Parallel.from_flags(2, 1, False, False), Parallel.from_flags(1, 2, True, False), None):
+        check_kernels_with_parallel("xla", par)
+        check_kernels_with_parallel("pallas", par)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        check_kernels_with_parallel("cuda", None)
 
 
 @pytest.mark.parametrize("all_logits", [False, True])
