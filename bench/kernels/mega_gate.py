@@ -64,7 +64,9 @@ def cases(smoke: bool = False) -> list[dict]:
 
 
 def variants(smoke: bool = False) -> list[dict]:
-    d, es, n_layers, ns = (256, (48,), 2, (5,)) if smoke else (FULL_D, (384, 16), FULL_L, NS)
+    """The full model's 384 experts at every N first; the medium preset's 16 at N = 1, 8 last (priority 1)."""
+    d, n_layers = (256, 2) if smoke else (FULL_D, FULL_L)
+    grid = [(48, 5, 0)] if smoke else [(384, n, 0) for n in NS] + [(16, n, 1) for n in (1, 8)]
     return [{"op": f"mega_gate_E{e}", "n": n, "make_args": functools.partial(make_args, n, d, e, n_layers),
              "bytes": nbytes(n, d, e), "reference": reference(e), "fused": {"fused": fused(e)},
-             "unfused": {"xla": reference(e)}, "n_layers": n_layers} for e in es for n in ns]
+             "unfused": {"xla": reference(e)}, "n_layers": n_layers, "priority": prio} for e, n, prio in grid]

@@ -149,13 +149,13 @@ def _xla_on_layer(a, kv, layer):
 
 def variants(smoke: bool = False) -> list[dict]:
     """bench/fused_kernels.py: the kernel (in-kernel split merge and inverse RoPE) against the model's XLA path
-    (core, then the inverse RoPE) at the full decode shape, B = 1, 8, 32, 256 (context 8K; 2K at 256)."""
+    (core, then the inverse RoPE) at the full decode shape, B = 1, 8, 32 (context 8K)."""
     shape = SMOKE if smoke else FULL
     fused, xla = jax.jit(_kernel_on_layer), jax.jit(_xla_on_layer)
     return [{"op": "sparse_attention", "n": B, "make_args": functools.partial(_with_rope, B, smoke),
              "bytes": min_bytes(B, **dict(shape, context=2048 if B > 32 and not smoke else shape["context"])),
              "reference": xla, "fused": {"fused": fused}, "unfused": {"xla": xla}, "n_layers": shape["L"]}
-            for B in ((1,) if smoke else (1, 8, 32, 256))]
+            for B in ((1,) if smoke else (1, 8, 32))]
 
 
 def _chain(fn, n: int):
