@@ -109,8 +109,8 @@ def test_program_keys_name_what_they_compute():
 
 
 def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
-    """`--kernels auto` (the default): XLA on a CPU; on a GPU the Pallas kernels, unless the model config, eager
-    execution or tensor parallelism has no Pallas path (then XLA, never an error)."""
+    """`--kernels auto` (the default): XLA on a CPU; on a GPU the Pallas kernels (under TP and DEP too), unless the
+    model config or eager execution has no Pallas path (then XLA, never an error)."""
     from serving.engine import config as engine_config
 
     assert EngineArgs().kernels == "auto"
@@ -121,8 +121,8 @@ def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64) == "pallas"
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), TINY) == "xla"  # window 8
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256, execution="eager"), w64) == "xla"
-    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, tensor_parallel_size=2), w64) == "xla"
-    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, force_mesh=True), w64) == "xla"  # TP of 1
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, tensor_parallel_size=2), w64) == "pallas"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, force_mesh=True), w64) == "pallas"  # TP of 1
     dep = EngineArgs(max_model_len=256, data_parallel_size=2, enable_expert_parallel=True)
     assert engine_config.auto_kernels(dep, w64) == "pallas"
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64.replace(compute_dtype="float32")) == "xla"
