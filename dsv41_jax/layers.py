@@ -100,6 +100,28 @@ def hc_post(y, residual, post, comb):
     return (post[..., None] * y.astype(F32)[..., None, :] + mix).astype(y.dtype)
 
 
+def hc_split(cfg, mix):
+    """Packed mixes [..., (2+hc)*hc] (pre | post | comb row-major, the logits' layout) -> (pre, post, comb)."""
+    hc = cfg.hc_mult
+    return mix[..., :hc], mix[..., hc:2 * hc], mix[..., 2 * hc:].reshape(*mix.shape[:-1], hc, hc)
+
+
+def hc_pack(pre, post, comb):
+    return jnp.concatenate([pre, post, comb.reshape(*comb.shape[:-2], -1)], axis=-1)
+
+
+def hc_boundary(cfg, h, y, mix, fn, scale, base, norm_w):
+    """One sublayer boundary of single-pass mHC, the reference of the Mega-mHC kernel (pallas_kernels/mega_mhc):
+    h [..., hc, D] still owes the previous sublayer's output y [..., D], mixed in with the post / comb of the
+    previous boundary's packed mixes `mix`, whose pre is the next sublayer's pre-mix (the "delayed" pre of
+    single-pass mHC: mixes computed before the previous sublayer ran). Returns (h' = hc_post(y, h, post, comb),
+    x = RMSNorm(hc_pre(h', pre), norm_w), mix' = hc_mixes(h') packed)."""
+    pre, post, comb = hc_split(cfg, mix)
+    h = hc_post(y, h, post, comb)
+    x = rms_norm(cfg, hc_pre(h, pre), norm_w)
+    return h, x, hc_pack(*hc_mixes(cfg, h, fn, scale, base))
+
+
 # ----------------------------------------------------------------------------- MoE
 def gate(cfg, p, x):
     """sqrtsoftplus noaux routing: the bias picks experts, weights come from the unbiased scores."""

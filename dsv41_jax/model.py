@@ -167,16 +167,16 @@ def _put(a, i, v):
 
 
 # ----------------------------------------------------------------------------- one layer
-def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot, x, state, shared, rows: _Rows,
+def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot, x, xq, state, shared, rows: _Rows,
                forced, aux: StepAux):
     B, T, _ = x.shape
     H, d = cfg.n_heads, cfg.head_dim
     ratio = seg.ratio
     freqs = jnp.asarray(layer_freqs(cfg, ratio))
     ap, aref = lp["attn"], lref["attn"]
-    qr = layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wq_a"], x), ap["q_norm"])
+    qr = layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wq_a"], x, xq=xq), ap["q_norm"])
     q = apply_rope(ops.linear(ex, cfg, aref["wq_b"], qr, split="column").reshape(B, T, H, d), rows.qpos, freqs)
-    kv = apply_rope(layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wkv"], x), ap["kv_norm"]), rows.qpos, freqs)
+    kv = apply_rope(layers.rms_norm(cfg, ops.linear(ex, cfg, aref["wkv"], x, xq=xq), ap["kv_norm"]), rows.qpos, freqs)
     if cfg.qdq:
         kv = quant.fp8_qdq(kv, 32)
     topk, sel, src = None, None, shared["src"]
@@ -201,10 +201,10 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
         sel = shared["topk"]
     # window (ring before this chunk + the chunk) and selected latents, then the chunk enters the ring
     a = ops.AttentionOperands(q=q, chunk_kv=kv, pos0=rows.pos0, clip=rows.clip, sel=sel, sink=ap["attn_sink"],
-                              layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh)
+                              layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh,
+                              freqs=freqs)
     o = ops.csa_attention(ex, cfg, a, state)
     state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
-    o = apply_rope(o, rows.qpos, freqs, inverse=True)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
     return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, aux, topk
 
@@ -273,44 +273,44 @@ def _build_global(cfg, ex, params, slot, ratio, x, state: KVState, rows: _Rows) 
 
 
 def _block(cfg, ex, seg, kind, params, l, slot, carry, rows, forced):
-    """One transformer block with single-pass mHC (the attention uses the previous block's FFN pre-mix)."""
-    h, pre, state, shared, aux = carry
+    """One transformer block with single-pass mHC. The residual stream arrives owing the previous block's FFN
+    output (ops.Residual); each sublayer boundary (ops.hc_boundary) settles it, computes the next mixes and the
+    sublayer's input with the pre-mix computed one boundary earlier."""
+    res, state, shared, aux = carry
     lref = LayerRef(params["layers"], l)
     lp = lref.get()  # slices the GEMMs read through `lref` instead are removed by XLA
-    a_pre, a_post, a_comb = ops.hc_mixes(ex, cfg, h, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
-    x = layers.rms_norm(cfg, layers.hc_pre(h, pre), lp["attn_norm"])
-    o, state, shared, aux, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, state, shared,
+    h, x, xq, a_mix = ops.hc_boundary(ex, cfg, res, lref, "attn")
+    o, state, shared, aux, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, xq, state, shared,
                                              rows, forced, aux)
-    h = layers.hc_post(o, h, a_post, a_comb)
-    f_pre, f_post, f_comb = ops.hc_mixes(ex, cfg, h, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
-    x = layers.rms_norm(cfg, layers.hc_pre(h, a_pre), lp["ffn_norm"])
+    h, x, xq, f_mix = ops.hc_boundary(ex, cfg, ops.Residual(h, o, a_mix), lref, "ffn")
     valid = (rows.qpos - rows.pos0[:, None]) < rows.n_valid[:, None]  # padding rows: never dispatched (DEP)
-    y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid)
-    h = layers.hc_post(y, h, f_post, f_comb)
-    return (h, f_pre, state, shared, aux if ex.parallel is None else aux.add(moe_dropped=dropped)), topk
+    y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid, xq=xq)
+    res = ops.Residual(h, y, f_mix)
+    return (res, state, shared, aux if ex.parallel is None else aux.add(moe_dropped=dropped)), topk
 
 
-def _tap(cfg, feats, h, l):
-    """Features hook (step(features=True)): the residual entering layer l, mean over its hc copies, into l's slot
-    of feats [B, T, n_targets, D] (not a target layer: nothing written)."""
+def _tap(cfg, feats, res, l):
+    """Features hook (step(features=True)): the residual entering layer l (res settled), mean over its hc copies,
+    into l's slot of feats [B, T, n_targets, D] (not a target layer: nothing written)."""
     if feats is None:
         return None
     slot = jnp.asarray([cfg.dspark_target_layer_ids.index(i) if i in cfg.dspark_target_layer_ids else -1
                         for i in range(cfg.n_layers)], jnp.int32)[l]
-    m = jnp.mean(h.astype(F32), axis=-2).astype(feats.dtype)
+    m = jnp.mean(res.settled(cfg).h.astype(F32), axis=-2).astype(feats.dtype)
     return feats.at[:, :, jnp.where(slot < 0, feats.shape[2], slot)].set(m, mode="drop")
 
 
 def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram, forced: dict | None, feats=None):
-    h, pre, state, shared, aux = carry
+    res, state, shared, aux = carry
     if seg.engram_slot >= 0:
         ids, gathered = engram
         e = seg.engram_slot
+        res = res.settled(cfg)
         if gathered is not None:  # host tables: rows gathered outside the program
-            h = ops.engram(ex, cfg, params["engram"][e], h, None, rows=gathered[e])
+            h = ops.engram(ex, cfg, params["engram"][e], res.h, None, rows=gathered[e])
         else:
-            h = ops.engram(ex, cfg, params["engram"][e], h, ids[:, :, e])
-        carry = (h, pre, state, shared, aux)
+            h = ops.engram(ex, cfg, params["engram"][e], res.h, ids[:, :, e])
+        carry = (replace(res, h=h), state, shared, aux)
     n = len(seg.firsts)
     xs = {"first": jnp.asarray(seg.firsts, jnp.int32), "slot": jnp.asarray(seg.slots, jnp.int32)}
     if seg.n_reuse:
@@ -353,10 +353,10 @@ def _shared_init(cfg, ex, state, B, T, ratio):
             "src": jnp.zeros((), jnp.int32)}
 
 
-def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram, forced, feats=None):
+def _run_band(cfg, ex, segs, params, res: ops.Residual, state, aux, rows, engram, forced, feats=None):
     if len({s.ratio for s in segs if s.ratio}) > 1:
         raise ValueError("every compressed segment of a band must share one compress ratio")
-    B, T = h.shape[:2]
+    B, T = res.h.shape[:2]
     rec = {}
     shared = None
     ratio = None
@@ -364,10 +364,10 @@ def _run_band(cfg, ex, segs, params, h, pre, state, aux, rows, engram, forced, f
         if seg.ratio != ratio or shared is None:
             ratio = seg.ratio
             shared = _shared_init(cfg, ex, state, B, T, ratio)
-        (h, pre, state, shared, aux), r, feats = _run_segment(cfg, ex, seg, params, (h, pre, state, shared, aux),
-                                                               rows, engram, forced, feats)
+        (res, state, shared, aux), r, feats = _run_segment(cfg, ex, seg, params, (res, state, shared, aux), rows,
+                                                            engram, forced, feats)
         rec.update(r)
-    return h, pre, state, aux, rec, feats
+    return res, state, aux, rec, feats
 
 
 def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fresh: bool, n_dec: int, n_logits: int,
@@ -387,26 +387,27 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     h = jnp.take(params["embed"]["weight"], inp.tokens, axis=0).astype(dt)
     h = jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
     pre = jnp.zeros((B, T, cfg.hc_mult), F32).at[..., 0].set(1.0)
+    res = ops.Residual.owing_nothing(cfg, h, pre)
     rows = _Rows(qpos, inp.pos0, inp.enc_clip, inp.write_from, inp.n_valid, fresh)
     enc, dec = encoder_schedule(cfg), decoder_schedule(cfg)
     feats = None
     if features and cfg.dspark_target_layer_ids:
         feats = jnp.zeros((B, T, len(cfg.dspark_target_layer_ids), cfg.dim), dt)
-    h, pre, state, aux, rec, feats = _run_band(cfg, ex, enc, params, h, pre, state, StepAux.zeros(), rows,
-                                               (inp.engram_ids, inp.engram_rows), forced_topk, feats)
+    res, state, aux, rec, feats = _run_band(cfg, ex, enc, params, res, state, StepAux.zeros(), rows,
+                                            (inp.engram_ids, inp.engram_rows), forced_topk, feats)
     if not dec:
         start = jnp.zeros((B,), jnp.int32)
     else:
         l = cfg.decoder_start
         lp = _take(params["layers"], l)
-        x = layers.rms_norm(cfg, layers.hc_pre(h, pre), lp["attn_norm"])
+        res = res.settled(cfg)
+        x = layers.rms_norm(cfg, layers.hc_pre(res.h, res.pre), lp["attn_norm"])
         state = _build_global(cfg, ex, params, source_slots(cfg)[0][l][1], cfg.compress_ratios[l], x, state, rows)
         if n_dec == 0:  # a non-final CED chunk: the encoder band and the decoder's global-KV build only
             return ChunkOutputs(None, state, rec, aux)
         start = jnp.maximum(inp.n_valid - n_dec, 0)
         sel_rows = start[:, None] + jnp.arange(n_dec)[None]
-        h = jnp.take_along_axis(h, sel_rows[:, :, None, None], axis=1)
-        pre = jnp.take_along_axis(pre, sel_rows[:, :, None], axis=1)
+        res = res.take_rows(sel_rows)
         if feats is not None:
             feats = jnp.take_along_axis(feats, sel_rows[:, :, None, None], axis=1)
         drows = _Rows(qpos[:, :n_dec] + start[:, None], inp.pos0 + start, inp.dec_clip, inp.write_from,
@@ -415,17 +416,16 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
         if forced_topk is not None:
             dforced = {k: jnp.take_along_axis(v, jnp.clip(sel_rows, 0, v.shape[1] - 1)[..., None], axis=1)
                        for k, v in forced_topk.items()}
-        h, pre, state, aux, rec_d, feats = _run_band(cfg, ex, dec, params, h, pre, state, aux, drows, None, dforced,
-                                                     feats)
+        res, state, aux, rec_d, feats = _run_band(cfg, ex, dec, params, res, state, aux, drows, None, dforced,
+                                                  feats)
         rec.update(rec_d)
     last = inp.n_valid - start - 1  # last valid row within h
-    if n_logits == h.shape[1]:  # every (decoder) row, in order
+    if n_logits == res.h.shape[1]:  # every (decoder) row, in order
         lrows = jnp.broadcast_to(jnp.arange(n_logits)[None], (B, n_logits))
     else:
         lrows = jnp.maximum(last[:, None] - (n_logits - 1) + jnp.arange(n_logits)[None], 0)
-    hs = jnp.take_along_axis(h, lrows[:, :, None, None], axis=1)
-    ps = jnp.take_along_axis(pre, lrows[:, :, None], axis=1)
-    x = layers.rms_norm(cfg, layers.hc_pre(hs, ps), params["norm"]["weight"])
+    fin = res.take_rows(lrows).settled(cfg)
+    x = layers.rms_norm(cfg, layers.hc_pre(fin.h, fin.pre), params["norm"]["weight"])
     logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
     if feats is not None:
         R = feats.shape[1]

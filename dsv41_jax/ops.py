@@ -41,12 +41,14 @@ from dsv41_jax import attention as attn
 from dsv41_jax import layers, parallel, quant
 from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
+from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
-from pallas_kernels import gemm, mhc
+from pallas_kernels import gemm, mega_gate, mega_mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
+from pallas_kernels import ring_write as ring_kernel
 from pallas_kernels import sparse_attention as attn_kernel
 
 KERNEL_CHOICES = ("xla", "pallas")
@@ -73,6 +75,41 @@ class IndexerInputs:
     uses_cand: bool  # this layer (Reindex) scores only the candidate blocks
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=["h", "y", "mix"], meta_fields=[])
+@dataclass(frozen=True)
+class Residual:
+    """The mHC residual stream between two sublayers: h [B, T, hc, D] still owes the last sublayer's output
+    y [B, T, D], to be mixed in with the post / comb of the packed mixes `mix` [B, T, (2+hc)*hc] f32 (pre | post |
+    comb: layers.hc_split), whose pre is also the next sublayer's pre-mix (single-pass mHC). `hc_boundary`
+    settles it; owing nothing is y = 0, post = 0, comb = I (hc_post then returns h exactly)."""
+    h: jax.Array
+    y: jax.Array
+    mix: jax.Array
+
+    @staticmethod
+    def owing_nothing(cfg, h, pre) -> Residual:
+        """h [B, T, hc, D] with the pre-mix pre [B, T, hc] of its next sublayer."""
+        hc = cfg.hc_mult
+        eye = jnp.broadcast_to(jnp.eye(hc, dtype=F32), (*pre.shape[:-1], hc, hc))
+        return Residual(h, jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype),
+                        layers.hc_pack(pre.astype(F32), jnp.zeros_like(pre, F32), eye))
+
+    def settled(self, cfg) -> Residual:
+        """The same stream with y mixed in (the XLA hc_post; at band ends and before Engram)."""
+        pre, post, comb = layers.hc_split(cfg, self.mix)
+        return Residual.owing_nothing(cfg, layers.hc_post(self.y, self.h, post, comb), pre)
+
+    @property
+    def pre(self):
+        return self.mix[..., :self.h.shape[-2]]
+
+    def take_rows(self, rows) -> Residual:
+        """Rows [B, n] of every field (the decoder band's rows)."""
+        return Residual(jnp.take_along_axis(self.h, rows[:, :, None, None], axis=1),
+                        jnp.take_along_axis(self.y, rows[:, :, None], axis=1),
+                        jnp.take_along_axis(self.mix, rows[:, :, None], axis=1))
+
+
 # ----------------------------------------------------------------------------- Pallas implementations
 def _view(p):
     """(weight stack, scale stack or None, layer index or None) of a linear given as a LayerRef or a dict."""
@@ -81,22 +118,23 @@ def _view(p):
     return p["weight"], p.get("scale"), None
 
 
-def _pallas_linear_f32(cfg, p, x):
+def _pallas_linear_f32(cfg, p, x, xq=None):
     """FP8 weights with the reference's FP8 activations: x goes to the kernel as E4M3 codes + UE8M0 scales (the
-    values act_qdq gives; the FP8 x FP8 kernels read them as they are, the others dequantize them)."""
+    values act_qdq gives; the FP8 x FP8 kernels read them as they are, the others dequantize them). xq: x already
+    on act_qdq's grid (hc_boundary's output; encoding it again gives the same values)."""
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
-    x2 = x.astype(dt).reshape(-1, x.shape[-1])
     if s is not None and cfg.qdq:
-        xq, xs = quant.fp8_encode(x2, 32)
-        y = gemm.matmul(xq, w, scale=s, layer=layer, x_scale=xs)
+        x2 = (x if xq is None else xq).astype(dt).reshape(-1, x.shape[-1])
+        codes, xs = quant.fp8_encode(x2, 32)
+        y = gemm.matmul(codes, w, scale=s, layer=layer, x_scale=xs)
     else:
-        y = gemm.matmul(layers.act_qdq(cfg, x2, p), w, scale=s, layer=layer)
+        y = gemm.matmul(layers.act_qdq(cfg, x.astype(dt), p).reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _pallas_linear(cfg, p, x):
-    return _pallas_linear_f32(cfg, p, x).astype(layers.cdtype(cfg))
+def _pallas_linear(cfg, p, x, xq=None):
+    return _pallas_linear_f32(cfg, p, x, xq).astype(layers.cdtype(cfg))
 
 
 def _xla_linear_f32(cfg, p, x):
@@ -146,23 +184,39 @@ def _pallas_grouped_out_proj(cfg, w, o):
     return y.astype(o.dtype).reshape(G, B, T, -1).transpose(1, 2, 0, 3)
 
 
-def _pallas_indexer(cfg, kv: PagedKV, p, a: IndexerInputs, state: KVState):
+def _paged_index_scores(q, w, keys, head_partial: bool = False):
+    blocks, visible, view, ratio, bs = keys
+    return index_kernel.index_scores_paged(
+        index_kernel.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=ratio, block_size=bs), view,
+        head_partial=head_partial)
+
+
+def _pallas_indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
     """Score paged FP4 index keys in place: every block at full-scan layers, only the candidate blocks at the
-    Reindex layers (cost flat in the context); the selection rules are the reference's."""
+    Reindex layers (cost flat in the context); the selection rules are the reference's. TP: each rank scores its
+    index heads (their f32 partial sums psum'd, then rounded once: parallel.tp_paged_index_scores)."""
+    kv = ex.kv
     if not kv.paged:
         raise ValueError("the Pallas indexer reads the paged global KV (PagedKV)")
-    q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
     visible = (a.qpos + 1) // a.ratio
     C = kv.capacity(state.glob, a.ratio)
     bs = cfg.candidate_block_size
     B, T = a.qpos.shape
     nb = -(-C // bs)
     blocks = a.cand if a.uses_cand else jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, 1, nb))
-    scores = index_kernel.index_scores_paged(
-        index_kernel.IndexerOperands(q=q, w=w, blocks=blocks, visible=visible, ratio=a.ratio, block_size=bs),
-        index_kernel.PagedIndexKV(pages=state.glob.pages, page_table=state.glob.page_table,
-                                  region=kv.region_offset("idx", a.ratio, a.src), page_tokens=kv.layout.page_tokens,
-                                  entry_bytes=kv.layout.entry_bytes("idx")))
+    view = index_kernel.PagedIndexKV(pages=state.glob.pages, page_table=state.glob.page_table,
+                                     region=kv.region_offset("idx", a.ratio, a.src),
+                                     page_tokens=kv.layout.page_tokens, entry_bytes=kv.layout.entry_bytes("idx"))
+    if ex.tp:
+        keys = (blocks, visible, view)
+
+        def score(q, w, k):
+            return _paged_index_scores(q, w, (*k, a.ratio, bs), head_partial=True)
+
+        scores = parallel.tp_paged_index_scores(ex, cfg, p, a, keys, score, _pallas_linear)
+    else:
+        q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
+        scores = _paged_index_scores(q, w, (blocks, visible, view, a.ratio, bs))
     cand = a.cand
     if a.cand_source:
         cand = attn.candidate_block_ids(scores, visible, n_keep=cfg.candidate_topk_blocks, block_size=bs)
@@ -181,9 +235,36 @@ def _pallas_attention(cfg, kv: PagedKV, a: AttentionOperands, state: KVState):
     return attn_kernel.paged_sparse_attention(a, view, scale=a.q.shape[-1] ** -0.5)
 
 
-def _pallas_hc_mixes(cfg, x, fn, scale, base):
-    m = layers.hc_logits(cfg, x, fn)
-    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
+    """Mega-mHC: the whole boundary in one kernel, the mHC weights read in place from their layer stacks."""
+    B, T, hc, D = res.h.shape
+    N = B * T
+    names = (f"hc_{sub}_fn", f"hc_{sub}_scale", f"hc_{sub}_base", f"{sub}_norm")
+    if isinstance(w, LayerRef):
+        arrays, layer = [w.stack[n] for n in names], w.index
+    else:
+        arrays, layer = [w[n] for n in names], None
+    h, x, xq, mix = mega_mhc.hc_boundary(
+        res.y.reshape(N, D), res.h.reshape(N, hc, D), res.mix.reshape(N, -1), *arrays, layer=layer, hc=hc,
+        iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.norm_eps, quantize=quantize)
+    return (h.reshape(B, T, hc, D), x.reshape(B, T, D), None if xq is None else xq.reshape(B, T, D),
+            mix.reshape(B, T, -1))
+
+
+def _pallas_gate(cfg, p, x):
+    """Mega-Gate: the router in one kernel, the gate weight read in place from its layer stack."""
+    w, b, layer = (p.stack["weight"], p.stack["bias"], p.index) if isinstance(p, LayerRef) else (
+        p["weight"], p["bias"], None)
+    lead = x.shape[:-1]
+    wts, idx = mega_gate.route(x.reshape(-1, x.shape[-1]), w, b, k=cfg.n_activated_experts,
+                               route_scale=cfg.route_scale, norm_topk_prob=cfg.norm_topk_prob, layer=layer)
+    return wts.reshape(*lead, -1), idx.reshape(*lead, -1)
+
+
+def _pallas_ring_write(cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:
+    """The chunk's entries quantised, packed and stored into the packed ring pool in place, in one kernel."""
+    pool = ring_kernel.ring_write(state.swa.pool, kv, state.swa.slots, pos0, n_valid, l)
+    return replace(state, swa=replace(state.swa, pool=pool))
 
 
 # op name -> Pallas implementation (None: not written yet); each kernel lives in pallas_kernels/<op>/.
@@ -193,7 +274,9 @@ PALLAS_OPS: dict[str, object] = {
     "grouped_out_proj": _pallas_grouped_out_proj,  # WO-A, per output group
     "sparse_attention": _pallas_attention,  # the FP8 rings + top-k FP4 latents read in place, in one kernel
     "indexer": _pallas_indexer,  # lightning indexer over paged FP4 index keys (candidates only at Reindex)
-    "hc_mixes": _pallas_hc_mixes,  # mHC coefficients (Sinkhorn) in one kernel
+    "gate": _pallas_gate,  # Mega-Gate: gate GEMM, sqrtsoftplus, bias, top-k, normalisation in one kernel
+    "ring_write": _pallas_ring_write,  # FP8 quantise + pack + in-place store of the SWA entries
+    "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
 }
 
 
@@ -232,11 +315,13 @@ def check_kernels(kernels: str):
 
 
 def check_kernels_with_parallel(kernels: str, parallel: Parallel | None):
-    """The one home of the rule that the Pallas kernels do not run under tensor parallelism (the engine's config
-    calls it too): raise ValueError if `kernels` cannot run with `parallel`."""
-    if kernels == "pallas" and parallel is not None and parallel.mode == "tp":
-        raise ValueError("--kernels pallas with --tensor-parallel-size: the Pallas indexer has no head-split "
-                         "mode yet (use --kernels xla, or --data-parallel-size)")
+    """The one home of the rules on kernels and parallel layouts (the engine's config calls it too): raise
+    ValueError if `kernels` cannot run with `parallel`. Every Pallas kernel runs under TP (head-split attention,
+    indexer and WO-A inside their shard_maps, the replicated ops' kernels on every rank) and under DP / DEP (the
+    whole step per rank), so there is nothing to refuse today."""
+    check_kernels(kernels)
+    if parallel is not None and parallel.mode not in ("tp", "dp"):
+        raise ValueError(f"unknown parallel mode {parallel.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -303,13 +388,19 @@ def _local_linear(ex: ExecContext):
 
 
 # ----------------------------------------------------------------------------- GEMMs
-def linear(ex: ExecContext, cfg, p, x, split: str | None = None):
+def linear(ex: ExecContext, cfg, p, x, split: str | None = None, xq=None):
     """y = x W^T for a bf16 or FP8 block-32 linear (`layers.linear`), output in the compute dtype.
     split: how tensor parallelism splits it: "column" (output rows; the result stays split on its last dim),
-    "row" (input columns, x split on its last dim; psum) or None (replicated). Ignored without TP."""
+    "row" (input columns, x split on its last dim; psum) or None (replicated). Ignored without TP.
+    xq: x already FP8-quantised as the linear quantises its input (`hc_boundary`'s output, or None); the Pallas
+    GEMM then skips its own quantisation (the same values: fp8_qdq is idempotent), the XLA reference ignores it."""
     if split is not None and ex.tp:
         f32 = _pallas_linear_f32 if ex.pallas else _xla_linear_f32
         return parallel.tp_linear(ex, cfg, p, x, split, _local_linear(ex), f32)
+    if ex.pallas and ex.tp:  # a replicated linear: the kernel on every rank
+        return parallel.replicated(ex, lambda p_, x_, xq_: _pallas_linear(cfg, p_, x_, xq_), p, x, xq)
+    if xq is not None and ex.pallas:
+        return _pallas_linear(cfg, p, x, xq)
     return _local_linear(ex)(cfg, p, x)
 
 
@@ -323,23 +414,54 @@ def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):
     return layers.routed_experts(cfg, p, x, weights, idx) if impl is None else impl(cfg, p, x, weights, idx)
 
 
-def moe(ex: ExecContext, cfg, p, x, valid=None):
-    """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs).
-    valid [B, T] bool marks real rows (DEP never sends the others). Returns (y like x, rows dropped by the DEP
-    capacity: int32 scalar, 0 elsewhere)."""
-    none = jnp.zeros((), jnp.int32)
-    gate = layers.balanced_gate if ex.hooks is not None and ex.hooks.balance else layers.gate
-    if not (ex.tp or ex.ep):
-        return layers.moe(cfg, p, x, lin=lin(ex), experts=partial(routed_experts, ex), gate=gate), none
-    if ex.ep and ex.parallel.size == 1:
-        # One rank owns every expert: nothing to exchange, so the single-device MoE runs as is. On one H200 the
-        # ragged exchange with itself cost +16% decode ITL and +315% prefill (medium; bench/results/
-        # parallel_medium_h200_exchange.json): XLA's ragged_all_to_all is not free even with one peer.
-        local = replace(ex, mesh=None, parallel=None)
-        return layers.moe(cfg, p, x, lin=_local_linear(ex), experts=partial(routed_experts, local), gate=gate), none
+def _pallas_moe(ex: ExecContext, cfg, p, x, xq, gate):
+    """`layers.moe` with the Pallas GEMMs, fed the FP8-quantised input `xq` of a fused producer when there is one
+    (the routed experts and the shared expert's w1 / w3 quantise x themselves otherwise: the same values)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    w, idx = gate(cfg, materialize(p["gate"]), x2)
+    xq2 = None if xq is None else xq.reshape(x2.shape)
+    w, idx = gate(cfg, _gate_weights(gate, p), x2)
+    experts_in = xq2 if xq2 is not None and "scale" in p["experts"]["w1"] else x2
+    y = routed_experts(ex, cfg, p["experts"], experts_in, w, idx)
+    sh = p["shared"]
+    hs = layers.swiglu(cfg, linear(ex, cfg, sh["w1"], x2, xq=xq2), linear(ex, cfg, sh["w3"], x2, xq=xq2))
+    y = y + linear(ex, cfg, sh["w2"], hs.astype(x.dtype)).astype(F32)
+    return y.astype(x.dtype).reshape(shape)
+
+
+def _gate(ex: ExecContext):
+    """The router: `layers.gate` (XLA), its kernel (Pallas), or `layers.balanced_gate` under the training hooks."""
+    if ex.hooks is not None and ex.hooks.balance:
+        return layers.balanced_gate
+    return _impl(ex, "gate") or layers.gate
+
+
+def _gate_weights(gate, p):
+    """The kernel reads the gate weight in place (a LayerRef); the jnp routers take the layer's arrays."""
+    return p["gate"] if gate is _pallas_gate else materialize(p["gate"])
+
+
+def moe(ex: ExecContext, cfg, p, x, valid=None, xq=None):
+    """sqrtsoftplus-routed experts + the shared expert (`layers.moe` with this context's GEMMs).
+    valid [B, T] bool marks real rows (DEP never sends the others); xq: x FP8-quantised by its producer
+    (`hc_boundary`; used by the Pallas GEMMs only). Returns (y like x, rows dropped by the DEP capacity: int32
+    scalar, 0 elsewhere)."""
+    none = jnp.zeros((), jnp.int32)
+    gate = _gate(ex)
+    if not ex.tp and (not ex.ep or ex.parallel.size == 1):
+        # (DEP over one rank: one rank owns every expert, nothing to exchange, so the single-device MoE runs as
+        # is. On one H200 the ragged exchange with itself cost +16% decode ITL and +315% prefill (medium;
+        # bench/results/parallel_medium_h200_exchange.json): XLA's ragged_all_to_all is not free with one peer.)
+        local = replace(ex, mesh=None, parallel=None)
+        if ex.pallas:
+            return _pallas_moe(local, cfg, p, x, xq, gate), none
+        return layers.moe(cfg, p, x, lin=lin(local), experts=partial(routed_experts, local), gate=gate), none
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if ex.tp and gate is _pallas_gate:
+        w, idx = parallel.replicated(ex, lambda g, x_: gate(cfg, g, x_), p["gate"], x2)
+    else:
+        w, idx = gate(cfg, _gate_weights(gate, p), x2)
     if ex.tp:
         y, dropped = parallel.tp_moe(ex, cfg, p, x2, w, idx, _local_linear(ex)), none
     else:
@@ -375,16 +497,29 @@ def engram(ex: ExecContext, cfg, p, h, ids, rows=None):
 
 
 # ----------------------------------------------------------------------------- mHC
-def hc_mixes(ex: ExecContext, cfg, x, fn, scale, base):
-    impl = _impl(ex, "hc_mixes")
-    return layers.hc_mixes(cfg, x, fn, scale, base) if impl is None else impl(cfg, x, fn, scale, base)
+def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
+    """A sublayer boundary (`layers.hc_boundary`): settle `res`, the next sublayer's input and the next mixes.
+    w: the layer's parameters (a LayerRef into the layer stacks, or a dict) with hc_{sub}_fn / _scale / _base and
+    {sub}_norm; sub: "attn" | "ffn". Returns (h' [B,T,hc,D], x [B,T,D], xq: x FP8-quantised for the next
+    sublayer's FP8 linears (Pallas with FP8 weights; else None), mix' [B,T,(2+hc)*hc])."""
+    impl = _impl(ex, "hc_boundary")
+    if impl is not None:
+        quantize = cfg.qdq and cfg.weight_format == "fp8"
+        if ex.tp:
+            return parallel.replicated(ex, lambda r, w_: impl(cfg, r, w_, sub, quantize), res, w)
+        return impl(cfg, res, w, sub, quantize)
+    p = materialize(w)
+    h, x, mix = layers.hc_boundary(cfg, res.h, res.y, res.mix, p[f"hc_{sub}_fn"], p[f"hc_{sub}_scale"],
+                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"])
+    return h, x, None, mix
 
 
 # ----------------------------------------------------------------------------- attention and indexer
 def csa_attention(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
-    """One layer's CSA2 attention core (before the inverse RoPE): a.q [B,T,H,d] over each row's sliding window
-    (the ring before this chunk + the chunk's own a.chunk_kv [B,T,d], in the reference's list order, clipped at
-    a.clip) followed by its selected compressed latents (a.sel [B,T,k], -1 = none; None for SWA-only layers).
+    """One layer's CSA2 attention core, then the inverse RoPE when a.freqs is given: a.q [B,T,H,d] over each row's
+    sliding window (the ring before this chunk + the chunk's own a.chunk_kv [B,T,d], in the reference's list
+    order, clipped at a.clip) followed by its selected compressed latents (a.sel [B,T,k], -1 = none; None for
+    SWA-only layers).
     TP: each rank its heads of the operands (their `heads` fields), over the replicated window / latents."""
     local = partial(_csa_local, replace(ex, mesh=None, parallel=None))
     if ex.tp:
@@ -392,10 +527,22 @@ def csa_attention(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     return local(cfg, a, state)
 
 
+def _inverse_rope(a: AttentionOperands, o):
+    """The attention output's inverse RoPE at its query positions (when the operands carry the layer's freqs)."""
+    if a.freqs is None:
+        return o
+    qpos = a.pos0[:, None] + jnp.arange(o.shape[1], dtype=jnp.int32)[None]
+    return apply_rope(o, qpos, a.freqs, inverse=True)
+
+
 def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     impl = _impl(ex, "sparse_attention")
     if impl is not None and not a.fresh:
-        return impl(cfg, ex.kv, a, state)
+        return impl(cfg, ex.kv, a, state)  # the kernel applies the inverse RoPE in its epilogue
+    return _inverse_rope(a, _csa_core(ex, cfg, a, state))
+
+
+def _csa_core(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
     if ex.hooks is not None and ex.hooks.attention == "blocked" and a.fresh:
         return blocked_attention(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
     q, kv = a.q, a.chunk_kv
@@ -417,7 +564,12 @@ def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
 
 def ring_write(ex: ExecContext, cfg, state: KVState, l, kv, pos0, n_valid) -> KVState:
     """The chunk's SWA entries [B,T,d] (its first n_valid rows) enter layer l's rings (the state's SWA
-    strategy: per-sequence rings, or the packed pool in place)."""
+    strategy: per-sequence rings, or the packed pool in place: one kernel with Pallas)."""
+    impl = _impl(ex, "ring_write")
+    if impl is not None and isinstance(state.swa, SwaPool) and cfg.qdq:
+        if ex.tp:
+            return parallel.replicated(ex, lambda *a: impl(cfg, *a), state, l, kv, pos0, n_valid)
+        return impl(cfg, state, l, kv, pos0, n_valid)
     return replace(state, swa=state.swa.write(cfg, l, kv, pos0, n_valid))
 
 
@@ -436,7 +588,7 @@ def indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
     at the candidate source). Reindex layers (`a.uses_cand`) score only the candidate blocks."""
     impl = _impl(ex, "indexer")
     if impl is not None:
-        return impl(cfg, ex.kv, p, a, state)
+        return impl(ex, cfg, p, a, state)
     index_k = ex.kv.index_keys(state.glob, a.ratio, a.src)
     if ex.tp:
         scores = parallel.tp_index_scores(ex, cfg, p, a, index_k, layers.linear)

@@ -8,7 +8,9 @@ replicated or head-sharded and XLA's partitioner carries them between ops):
 - attention: the rank's query heads (and sinks) over the replicated latent KV / rings / pages;
 - WO-A: the rank's output groups (N divides o_groups, so a rank's heads are whole groups);
 - indexer: the rank's index heads; per-rank partial head sums (f32) are psum'd before the final bf16
-  rounding, then the top-k runs replicated;
+  rounding, then the top-k runs replicated (the XLA scores, or the paged Pallas kernel's head partials);
+- the replicated ops' Pallas kernels (mHC boundary, router, ring write, unsplit linears): every rank runs the
+  kernel on whole operands inside a shard_map (`replicated`);
 - MoE: gate replicated; routed and shared experts on the rank's slice of the intermediate dim, their f32
   partial outputs summed, one psum of [n, D], rounded once.
 Each local computation is the single-device implementation on the rank's shard, so with N = 1 every op is
@@ -152,6 +154,38 @@ def tp_index_scores(ex, cfg, p, a, index_k, local):
     s = jax.shard_map(body, mesh=ex.mesh, in_specs=(_split_tree(sub, -2), P(), _rep(a), P()), out_specs=P(),
                       check_vma=False)(sub, index, a, index_k)
     return attn.visible_scores(attn.round_to(dt)(s), a.qpos, a.ratio)
+
+
+def tp_paged_index_scores(ex, cfg, p, a, keys, score, lin_local):
+    """The paged (Pallas) indexer with the index heads split: each rank computes its heads' queries (its rows of
+    wq_b / weights_proj) and `score(q, w, keys)`: the f32 sum of its heads' rounded terms over the replicated
+    paged keys (-inf where masked, no final rounding); one psum adds the ranks, then the reference's bf16
+    rounding (exact: the ranks' partial sums of bf16 terms are exact in f32 at the model's scales, see
+    pallas_kernels/indexer). `keys`: the replicated pytree `score` reads (pages, page table, blocks, ...)."""
+    stack, index = _unref(p)
+    sub = {"wq_b": stack["wq_b"], "weights_proj": stack["weights_proj"]}
+
+    def body(sub, index, a, keys):
+        q, w = attn.index_query(cfg, _ref(sub, index), a.x, a.qr, a.qpos, a.freqs, lin=lin_local)
+        return lax.psum(score(q, w, keys), TENSOR)
+
+    s = jax.shard_map(body, mesh=ex.mesh, in_specs=(_split_tree(sub, -2), P(), _rep(a), _rep(keys)), out_specs=P(),
+                      check_vma=False)(sub, index, a, keys)
+    return attn.round_to(layers.cdtype(cfg))(s)
+
+
+def replicated(ex, fn, *args):
+    """fn(*args) on every tensor-parallel rank with every operand whole (all-gathered if it was split): how the
+    Pallas kernels of the replicated ops run under TP, inside a shard_map rather than through the SPMD
+    partitioner. LayerRef arguments travel as (stack, index); the result is replicated."""
+    flat = [(a.stack, a.index) if isinstance(a, LayerRef) else a for a in args]
+    is_ref = [isinstance(a, LayerRef) for a in args]
+
+    def body(*xs):
+        return fn(*(LayerRef(*x) if r else x for x, r in zip(xs, is_ref)))
+
+    return jax.shard_map(body, mesh=ex.mesh, in_specs=tuple(_rep(a) for a in flat), out_specs=P(),
+                         check_vma=False)(*flat)
 
 
 def tp_moe(ex, cfg, p, x2, w, idx, lin_local):

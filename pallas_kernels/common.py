@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
 
 F32 = jnp.float32
 
@@ -64,6 +65,18 @@ def head_dims(bundle) -> dict:
 def interpret_default() -> bool:
     """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere."""
     return jax.default_backend() == "cpu"
+
+
+def last_arrival(counter_ref, index, arrivals: int, interpret: bool):
+    """Inside a kernel body: count this program's arrival at counter_ref[index] (int32, zeroed per call) and
+    return whether it is the last of `arrivals` programs to arrive there: that program may then read what the
+    others stored before their arrival (its loads of them should bypass L1: cache_modifier=".cg"). A CTA barrier
+    orders every thread's stores before the acquire-release atomic (Triton issues a scalar atomic from one
+    thread); interpret mode runs the programs one after another and has no barrier. No program ever waits, so
+    the grid may exceed what the GPU holds at once."""
+    if not interpret:
+        plt.debug_barrier()
+    return plt.atomic_add(counter_ref, index, jnp.int32(1)) == arrivals - 1
 
 
 def _i32(x):
@@ -104,6 +117,31 @@ def e4m3_to_f32(byte):
     mag = jnp.where(e == 0, m * jnp.float32(2.0 ** -9), (8.0 + m) * pow2)
     mag = jnp.where((b & 127) == 127, jnp.float32(jnp.nan), mag)
     return jnp.where((b & 128) != 0, -mag, mag)
+
+
+FP8_MAX = 448.0
+
+
+def fp8_encode_block(x, block: int = 32):
+    """Inside a kernel: dsv41_jax.quant.fp8_encode of an f32 [rows, n] block (UE8M0 scale per `block`:
+    2^ceil(log2(max(amax, 1e-4) / 448)) from the f32 bits; E4M3 round-to-nearest-even, saturating). Returns
+    (E4M3 values [rows, n] float8_e4m3fn, scale codes [rows, n / block] int32, scales [rows, n / block] f32)."""
+    rows, n = x.shape
+    b = x.reshape(rows, n // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=2), 1e-4)
+    bits = jax.lax.bitcast_convert_type(amax * jnp.float32(1.0 / FP8_MAX), jnp.int32)
+    code = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # >= 104 (amax >= 1e-4)
+    scale = jax.lax.bitcast_convert_type(code << 23, F32)
+    inv = jax.lax.bitcast_convert_type((254 - code) << 23, F32)  # 1 / scale, exact
+    q = jnp.clip(b * inv[:, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(rows, n), code, scale
+
+
+def fp8_qdq_block(x, block: int = 32):
+    """Inside a kernel: dsv41_jax.quant.fp8_qdq of an f32 [rows, n] block, in f32."""
+    rows, n = x.shape
+    q, _, scale = fp8_encode_block(x, block)
+    return (q.astype(F32).reshape(rows, n // block, block) * scale[:, :, None]).reshape(rows, n)
 
 
 # ----------------------------------------------------------------------------- a Pallas Triton offset bug

@@ -22,14 +22,14 @@ TINY = ModelConfig.preset("tiny")
 
 
 def test_kernels_pallas_fails_naming_the_missing_ops(monkeypatch):
-    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer", "hc_mixes"}
+    assert set(PALLAS_OPS) >= {"linear", "routed_experts", "sparse_attention", "indexer", "hc_boundary"}
     assert missing_pallas_ops() == []  # every op has its kernel today
     ExecContext(kernels="pallas")
-    for name in ("hc_mixes", "indexer"):  # an op without a kernel is refused by name, never silently XLA
+    for name in ("hc_boundary", "indexer"):  # an op without a kernel is refused by name, never silently XLA
         monkeypatch.setitem(PALLAS_OPS, name, None)
     with pytest.raises(ValueError) as e:
         EngineArgs(max_model_len=256, kernels="pallas").resolved(TINY)
-    assert "hc_mixes" in str(e.value) and "indexer" in str(e.value) and "linear" not in str(e.value)
+    assert "hc_boundary" in str(e.value) and "indexer" in str(e.value) and "linear" not in str(e.value)
     with pytest.raises(ValueError, match="no Pallas version"):
         ExecContext(kernels="pallas")
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -53,13 +53,16 @@ def test_exec_context_is_part_of_the_jit_key():
     assert hooked != ExecContext(hooks=TrainHooks(indexer_stride=2))
 
 
-def test_tp_with_pallas_is_refused_in_one_place():
+def test_the_kernels_serve_tp_and_dep_layouts():
+    """Every Pallas kernel runs under TP and DP / DEP (the TP results against one device: tests/test_parallel.py);
+    the one rule's home still refuses unknown kernel names."""
     from dsv41_jax.sharding import Parallel
 
-    tp = Parallel.from_flags(2, 1, False, False)
-    check_kernels_with_parallel("xla", tp)
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        check_kernels_with_parallel("pallas", tp)
+    for par in (Parallel.from_flags(2, 1, False, False), Parallel.from_flags(1, 2, True, False), None):
+        check_kernels_with_parallel("xla", par)
+        check_kernels_with_parallel("pallas", par)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        check_kernels_with_parallel("cuda", None)
 
 
 @pytest.mark.parametrize("all_logits", [False, True])
@@ -106,8 +109,8 @@ def test_program_keys_name_what_they_compute():
 
 
 def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
-    """`--kernels auto` (the default): XLA on a CPU; on a GPU the Pallas kernels, unless the model config, eager
-    execution or tensor parallelism has no Pallas path (then XLA, never an error)."""
+    """`--kernels auto` (the default): XLA on a CPU; on a GPU the Pallas kernels (under TP and DEP too), unless the
+    model config or eager execution has no Pallas path (then XLA, never an error)."""
     from serving.engine import config as engine_config
 
     assert EngineArgs().kernels == "auto"
@@ -118,8 +121,8 @@ def test_kernels_auto_picks_pallas_only_where_the_kernels_serve(monkeypatch):
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64) == "pallas"
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), TINY) == "xla"  # window 8
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256, execution="eager"), w64) == "xla"
-    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, tensor_parallel_size=2), w64) == "xla"
-    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, force_mesh=True), w64) == "xla"  # TP of 1
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, tensor_parallel_size=2), w64) == "pallas"
+    assert engine_config.auto_kernels(EngineArgs(max_model_len=256, force_mesh=True), w64) == "pallas"  # TP of 1
     dep = EngineArgs(max_model_len=256, data_parallel_size=2, enable_expert_parallel=True)
     assert engine_config.auto_kernels(dep, w64) == "pallas"
     assert engine_config.auto_kernels(EngineArgs(max_model_len=256), w64.replace(compute_dtype="float32")) == "xla"

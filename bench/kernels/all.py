@@ -4,8 +4,8 @@
 
 (`python -m bench.kernels.all` is the same.)
 
-Cases come from each kernel's `cases(smoke)` (bench/kernels/{gemm,moe,indexer,sparse_attention,mhc}.py; --smoke:
-their tiny shapes, for a CPU run in interpret mode):
+Cases come from each kernel's `cases(smoke)` (bench/kernels/{gemm,moe,indexer,sparse_attention,mhc,mega_mhc,
+mega_gate,ring_write}.py; --smoke: their tiny shapes, for a CPU run in interpret mode):
 dicts with name, fn_pallas, fn_xla, make_args (random full-shape device arrays, fixed seed) and bytes (the
 fewest bytes the op must move). For each case: both outputs are compared (max |diff| / max |ref| over the
 finite entries; masked -inf entries must agree exactly), then both are timed as device busy time per call
@@ -26,7 +26,7 @@ import numpy as np
 from bench.common import write_result
 from bench.kernels.timing import device_us, wall_us
 
-PACKAGES = ("gemm", "moe", "indexer", "sparse_attention", "mhc")
+PACKAGES = ("gemm", "moe", "indexer", "sparse_attention", "mhc", "mega_mhc", "mega_gate", "ring_write")
 COPY_CEILING_GBS = 4300.0
 
 

@@ -36,6 +36,7 @@ from dsv41_jax.config import ModelConfig
 from dsv41_jax.kv_cache import KVState, PagedGlobal, PagedKV, PageLayout, SwaPool
 from dsv41_jax.kv_format import PAGE_TOKENS, fp4_latent_bytes
 from dsv41_jax.ops import ExecContext
+from dsv41_jax.rope import rope_freqs
 from pallas_kernels.sparse_attention import PagedAttentionKV, SparseAttentionOperands, paged_sparse_attention
 from pallas_kernels.sparse_attention.block_sizes import BlockSizes
 
@@ -125,6 +126,36 @@ def cases(smoke: bool = False) -> list[dict]:
         out.append(dict(name=f"decode_b{B}_{tag}" + ("_smoke" if smoke else ""), fn_pallas=fp, fn_xla=fx,
                         make_args=functools.partial(make_args, B, **shape), bytes=min_bytes(B, **shape)))
     return out
+
+
+def _with_rope(B: int, smoke: bool, seed: int = 0):
+    """make_args plus the layer's RoPE frequencies (the output leaves inverse-rotated) and the layer index last
+    (bench/fused_kernels.py loops over it)."""
+    shape = dict(SMOKE if smoke else FULL)
+    if not smoke and B > 32:
+        shape["context"] = 2048
+    a, kv = make_args(B, seed=seed, **shape)
+    freqs = jnp.asarray(rope_freqs(64 if not smoke else 16, 160000.0, 65536, 16.0))
+    return dataclasses.replace(a, freqs=freqs), kv, a.layer
+
+
+def _kernel_on_layer(a, kv, layer):
+    return paged_sparse_attention(dataclasses.replace(a, layer=layer), kv, scale=a.q.shape[-1] ** -0.5)
+
+
+def _xla_on_layer(a, kv, layer):
+    return xla_reference(dataclasses.replace(a, layer=layer), kv)
+
+
+def variants(smoke: bool = False) -> list[dict]:
+    """bench/fused_kernels.py: the kernel (in-kernel split merge and inverse RoPE) against the model's XLA path
+    (core, then the inverse RoPE) at the full decode shape, B = 1, 8, 32 (context 8K)."""
+    shape = SMOKE if smoke else FULL
+    fused, xla = jax.jit(_kernel_on_layer), jax.jit(_xla_on_layer)
+    return [{"op": "sparse_attention", "n": B, "make_args": functools.partial(_with_rope, B, smoke),
+             "bytes": min_bytes(B, **dict(shape, context=2048 if B > 32 and not smoke else shape["context"])),
+             "reference": xla, "fused": {"fused": fused}, "unfused": {"xla": xla}, "n_layers": shape["L"]}
+            for B in ((1,) if smoke else (1, 8, 32))]
 
 
 def _chain(fn, n: int):

@@ -131,7 +131,7 @@ def _cast_round_bf16(x):
 
 
 def _kernel(qe_ref, qo_ref, w_ref, vis_ref, blk_ref, tab_ref, reg_ref, pages_ref, o_ref, *,
-            E, bs, n, half, nsc, max_pages, n_pages, shared_blocks, interpret):
+            E, bs, n, half, nsc, max_pages, n_pages, shared_blocks, interpret, round_total=True):
     # Triton lowers the cast pair to a real f32 -> bf16 -> f32 rounding; interpreted, the body is compiled by
     # XLA:CPU, whose fusions may drop such a pair, so there the rounding points use reduce_precision.
     rnd = round_bf16 if interpret else _cast_round_bf16
@@ -160,14 +160,18 @@ def _kernel(qe_ref, qo_ref, w_ref, vis_ref, blk_ref, tab_ref, reg_ref, pages_ref
     s = plt.dot(k_lo, qe_ref[...]) + plt.dot(k_hi, qo_ref[...])  # [E, Hi] f32
     s = rnd(s)
     p = rnd(jnp.maximum(s, 0.0) * w_ref[...].astype(F32)[None, :])
-    tot = rnd(jnp.sum(p, axis=1))
-    o_ref[...] = jnp.where(valid, tot, NEG_INF)
+    tot = jnp.sum(p, axis=1)
+    o_ref[...] = jnp.where(valid, rnd(tot) if round_total else tot, NEG_INF)
 
 
-def _pallas_scores(a: IndexerOperands, kv: PagedIndexKV, *, interpret, entries):
+def _pallas_scores(a: IndexerOperands, kv: PagedIndexKV, *, interpret, entries, round_total=True):
     q, w, blocks, visible, block_size = a.q, a.w, a.blocks, a.visible, a.block_size
     pages, page_table, region = kv.pages, kv.page_table, kv.region
     B, T, Hi, di = q.shape
+    if Hi < 16:  # the dot needs 16 columns: heads of weight 0 add exactly +0 to every head sum
+        q = jnp.pad(q, [(0, 0), (0, 0), (0, 16 - Hi), (0, 0)])
+        w = jnp.pad(w, [(0, 0), (0, 0), (0, 16 - Hi)])
+        Hi = 16
     nb = blocks.shape[-1]
     shared = blocks.shape[1] == 1 and T > 1
     cols = nb * block_size
@@ -185,7 +189,7 @@ def _pallas_scores(a: IndexerOperands, kv: PagedIndexKV, *, interpret, entries):
     half = di // 2
     kern = functools.partial(_kernel, E=E, bs=block_size, n=kv.page_tokens // a.ratio, half=half,
                              nsc=di // SCALE_BLOCK, max_pages=page_table.shape[1], n_pages=pages.shape[0],
-                             shared_blocks=shared, interpret=bool(interpret))
+                             shared_blocks=shared, interpret=bool(interpret), round_total=round_total)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid = (B, T, (cols + pad) // E)
     out = pl.pallas_call(
@@ -205,13 +209,15 @@ def _pallas_scores(a: IndexerOperands, kv: PagedIndexKV, *, interpret, entries):
     return out[..., :cols] if pad else out
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "implementation", "entries"))
+@functools.partial(jax.jit, static_argnames=("interpret", "implementation", "entries", "head_partial"))
 def index_scores_paged(a: IndexerOperands, kv: PagedIndexKV, *, interpret: bool | None = None,
-                       implementation: str = "pallas", entries: int | None = None):
+                       implementation: str = "pallas", entries: int | None = None, head_partial: bool = False):
     """Indexer scores [B,T,nb*block_size] f32 of the entries of `a.blocks` (see the module docstring).
 
     implementation: "pallas" (the kernel; interpret=None means interpret mode on CPU) or "xla" (the
-    reference). entries: columns per program (None: block_sizes.entries_per_program)."""
+    reference). entries: columns per program (None: block_sizes.entries_per_program). head_partial (Pallas):
+    the f32 sum of a's heads' rounded terms without the final bf16 rounding, for a tensor-parallel rank
+    holding some of the heads (the ranks' partials are summed, then rounded once: dsv41_jax.parallel)."""
     B, T, Hi, di = a.q.shape
     blocks, ratio = a.blocks, a.ratio
     if kv.page_tokens % ratio or di % SCALE_BLOCK:
@@ -227,4 +233,4 @@ def index_scores_paged(a: IndexerOperands, kv: PagedIndexKV, *, interpret: bool 
         raise ValueError(f"unknown implementation {implementation!r}")
     if interpret is None:
         interpret = common.interpret_default()
-    return _pallas_scores(a, kv, interpret=interpret, entries=entries)
+    return _pallas_scores(a, kv, interpret=interpret, entries=entries, round_total=not head_partial)

@@ -50,22 +50,13 @@ def _place(vals, width):
     return out
 
 
-def _kernel(m_ref, sb_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
-    r0 = pl.program_id(0) * bn
-    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
-    ok = rows < n_rows
-    m = plt.load(m_ref.at[pl.ds(r0, bn), :], mask=ok[:, None], other=0.0)
-    sb = sb_ref[...]  # [2, WIDTH]: row 0 = the 3 scales, row 1 = base
-    iota = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 1)
-    first = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 0) == 0
-
-    def sbv(row, k):
-        return jnp.sum(jnp.where((first == (row == 0)) & (iota == k), sb, 0.0))
-
-    s = [sbv(0, k) for k in range(3)]
-    pre = [_sigmoid(_col(m, k) * s[0] + sbv(1, k)) + eps for k in range(hc)]
-    post = [2.0 * _sigmoid(_col(m, hc + k) * s[1] + sbv(1, hc + k)) for k in range(hc)]
-    c = [[_col(m, 2 * hc + i * hc + j) * s[2] + sbv(1, 2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
+def coefficients(m, s, base, *, hc, iters, eps):
+    """The Sinkhorn part on a [bn, WIDTH] f32 block of mixing logits, inside a kernel body: s = the 3 scales
+    (f32 scalars), base(k) = base[k] (an f32 scalar). Returns (pre, post, comb) as lists of [bn] columns (comb
+    flat, row-major). Shared with pallas_kernels/mega_mhc."""
+    pre = [_sigmoid(_col(m, k) * s[0] + base(k)) + eps for k in range(hc)]
+    post = [2.0 * _sigmoid(_col(m, hc + k) * s[1] + base(hc + k)) for k in range(hc)]
+    c = [[_col(m, 2 * hc + i * hc + j) * s[2] + base(2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
 
     def row_sum(c, i):
         acc = c[i][0]
@@ -101,9 +92,26 @@ def _kernel(m_ref, sb_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_row
         return tuple(v for r in c for v in r)
 
     flat = jax.lax.fori_loop(0, iters - 1, body, tuple(v for r in c for v in r))
+    return pre, post, list(flat)
+
+
+def _kernel(m_ref, sb_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
+    r0 = pl.program_id(0) * bn
+    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
+    ok = rows < n_rows
+    m = plt.load(m_ref.at[pl.ds(r0, bn), :], mask=ok[:, None], other=0.0)
+    sb = sb_ref[...]  # [2, WIDTH]: row 0 = the 3 scales, row 1 = base
+    iota = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 1)
+    first = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 0) == 0
+
+    def sbv(row, k):
+        return jnp.sum(jnp.where((first == (row == 0)) & (iota == k), sb, 0.0))
+
+    pre, post, comb = coefficients(m, [sbv(0, k) for k in range(3)], lambda k: sbv(1, k), hc=hc, iters=iters,
+                                   eps=eps)
     plt.store(pre_ref.at[pl.ds(r0, bn), :], _place(pre, pre_ref.shape[1]), mask=ok[:, None])
     plt.store(post_ref.at[pl.ds(r0, bn), :], _place(post, post_ref.shape[1]), mask=ok[:, None])
-    plt.store(comb_ref.at[pl.ds(r0, bn), :], _place(list(flat), comb_ref.shape[1]), mask=ok[:, None])
+    plt.store(comb_ref.at[pl.ds(r0, bn), :], _place(comb, comb_ref.shape[1]), mask=ok[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("hc", "iters", "eps", "interpret", "block_rows"))

@@ -2,7 +2,7 @@
 
 A program handles one query row, `block_h` heads and a contiguous range of 64-key chunks of the row's key
 list (window chunks first, then selected-entry chunks). With `num_splits` > 1 the chunk ranges of a row run in
-parallel programs and an XLA epilogue merges their (max, sum, numerator) partials.
+parallel programs; the split that arrives last merges their (max, sum, numerator) partials in-kernel.
 
 Trade-offs (H200, decode; from Triton 3.6 sm_90a compiles of the full shape, not yet timed): every program
 decodes its keys, so a smaller head block repeats the FP4/FP8 decode H / block_h times, and below 64 heads

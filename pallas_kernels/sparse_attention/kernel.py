@@ -18,7 +18,11 @@ are masked (they read nothing and yield 0) and their scores are selected to -inf
 Numerics (the official kernel's, as dsv41_jax.attention.sparse_attention emulates): s = (q . k in f32) * scale;
 softmax online over consecutive 64-entry chunks of the key list with a cumulative running max floored at
 -1e30; unnormalised probabilities exp(s - running_max) are rounded to bf16 before P.V; the denominator adds
-exp(sink_h - final_max). o = numerator / denominator, cast to bf16.
+exp(sink_h - final_max). o = numerator / denominator, cast to bf16. With `freqs` (the layer's RoPE frequencies)
+o then leaves with the model's inverse RoPE at the row's position (dsv41_jax.rope.apply_rope(inverse=True): the
+last 2 * len(freqs) channels, interleaved pairs, rotated in f32 from the bf16 o, cast back), in the kernel's
+epilogue (one split) or after the XLA merge of the splits; the rotation's cos / sin may differ from XLA's by an
+f32 ulp (one bf16 ulp of o, rarely).
 
 Contract (against the reference above):
 - The kernel decodes the keys exactly (every key is exact in bf16: an E2M1 value times an E4M3 scale has <= 6
@@ -31,13 +35,17 @@ Contract (against the reference above):
   bit-identical, per-element error at the 99th percentile 3-7 ulps of the element itself.
 
 Kernel layout: grid (B*T rows, H / block_h head blocks, num_splits); see block_sizes.py for the trade-offs.
-q arrives split into even/odd element planes (the wrapper's only transpose); a program loops over its 64-key
+Row r is sequence r // T at position pos0 + r % T (read in-kernel from the operands: no table built in XLA); a
+program splits its q block into even/odd element planes (tt.split) and loops over its 64-key
 chunks (window chunks that cannot hold chunk_kv rows, the chunk(s) that can, then selected chunks), decodes
 each chunk into bf16 even/odd planes [64, d/2] and runs QK^T and PV as two plt.dot pairs; the output planes
-are re-joined in-kernel (tt.join). Decoding (`decode="cvt"`, default): E2M1 nibbles are moved into E4M3 bit
-positions (the value times 2^-6) and converted by the hardware E4M3 conversion, scales are applied per
-16/32-element group by a 3-D broadcast, all in bf16 (exact); `decode="int"` uses the integer decoders of
-pallas_kernels.common instead (also exact; about 1.6x the instructions). Pools are raw HBM refs
+are re-joined in-kernel (tt.join). With splits, each split stores its (acc, max, sum) partials and the split
+of a (row, head block) that arrives last (pallas_kernels.common.last_arrival) merges them in order and writes
+the output: one launch (plus the counters' memset) whatever the split count. Decoding (`decode="cvt"`,
+default): E2M1 nibbles are moved into E4M3 bit positions (the value times 2^-6) and converted by the hardware
+E4M3 conversion, scales are applied per 16/32-element group by a 3-D broadcast, all in bf16 (exact);
+`decode="int"` uses the integer decoders of pallas_kernels.common instead (also exact; about 1.6x the
+instructions). Pools are raw HBM refs
 (memory_space=ANY) indexed in-kernel, never sliced outside; the Pallas lowering switches to 64-bit offsets only
 for pools over 4 GiB (a pool between 2 and 4 GiB would need a check of its 32-bit offset arithmetic).
 Requirements: W % 64 == 0; d a power of two >= 32; region % 16 == 0 (an alignment hint for vector loads).
@@ -109,6 +117,11 @@ class _Static:
     decode: str
     align: int  # power of two dividing every selected entry's byte offset
     has_sel: bool
+    rope: int = 0  # len(freqs): inverse RoPE on the last 2 * rope channels (0: none)
+    R: int = 1  # ring-pool rows per layer
+    n_hb: int = 1  # head blocks
+    interpret: bool = False
+    out_bf16: bool = True  # the output dtype is bf16 (else f32)
 
 
 def _iota(n):
@@ -197,16 +210,56 @@ def _selected_keys(st: _Static, c, r, b, region, sel_ref, pt_ref, pages_ref):
     return _scaled(v_e, scl, 8), _scaled(v_o, scl, 8), valid
 
 
-def _kernel(rows_ref, q_ref, sink_ref, ckv_ref, ring_ref, *rest, st: _Static):
+def _inverse_rope_planes(o_e, o_o, t, freqs):
+    """dsv41_jax.rope.apply_rope(inverse=True) on bf16-rounded even / odd planes [.., d/2] (f32 in, f32 out) at
+    position t; freqs [d/2] f32 is zero on the unrotated plane columns (cos 0 = 1, sin 0 = 0: exact identity)."""
+    ang = t.astype(F32) * freqs
+    cos, sin = jnp.cos(ang), -jnp.sin(ang)
+    a = o_e.astype(BF16).astype(F32)
+    b = o_o.astype(BF16).astype(F32)
+    return a * cos - b * sin, a * sin + b * cos
+
+
+def _plane_freqs(freqs, d: int):
+    """[rope] RoPE frequencies -> [d/2] per plane column (zeros before the rotated tail)."""
+    return jnp.pad(freqs.astype(F32), (d // 2 - freqs.shape[0], 0))
+
+
+def _merge_splits(st: _Static, r, h, sink, acc_ref, m_ref, l_ref):
+    """The last-arriving split of (row r, head block h) merges every split's (acc, m, l) partials: o [bh, d]
+    f32 (the XLA `_merge`'s formula, splits added in order; loads bypass L1: other programs stored them)."""
+    h0 = h * st.bh
+
+    def ld(ref, sp, *tail):
+        return plt.load(ref.at[(r, sp, pl.ds(h0, st.bh)) + tail], cache_modifier=".cg")
+
+    mx = jax.lax.fori_loop(0, st.splits, lambda sp, a: jnp.maximum(a, ld(m_ref, sp)),
+                           jnp.full((st.bh,), -jnp.inf, F32))
+
+    def body(sp, c):
+        num, den = c
+        w = jnp.exp(ld(m_ref, sp) - mx)
+        return num + ld(acc_ref, sp, pl.ds(0, st.d)) * w[:, None], den + ld(l_ref, sp) * w
+
+    num, den = jax.lax.fori_loop(0, st.splits, body, (jnp.zeros((st.bh, st.d), F32), jnp.zeros((st.bh,), F32)))
+    return num / (den + jnp.exp(sink - mx))[:, None]
+
+
+def _kernel(pos0_ref, clip_ref, slot_ref, layer_ref, region_ref, q_ref, sink_ref, ckv_ref, ring_ref, *rest,
+            st: _Static):
+    if st.rope:
+        freq_ref, *rest = rest
     if st.has_sel:
         sel_ref, pt_ref, pages_ref, *outs = rest
     else:
         sel_ref = pt_ref = pages_ref = None
         outs = rest
     r = pl.program_id(0)
-    b, t, pos0, clip = rows_ref[r, 0], rows_ref[r, 1], rows_ref[r, 2], rows_ref[r, 3]
-    rrow, region = rows_ref[r, 4], rows_ref[r, 5]
-    q_e, q_o = q_ref[0], q_ref[1]  # [bh, d/2] even / odd elements (split by the wrapper)
+    b = r // st.T
+    pos0, clip = pos0_ref[b], clip_ref[b]
+    t = pos0 + r % st.T
+    rrow, region = layer_ref[0] * st.R + slot_ref[b], region_ref[0]
+    q_e, q_o = _planes(q_ref[...])  # [bh, d/2] even / odd elements
     d2 = st.d // 2
     carry = (jnp.full((st.bh,), MAX_FLOOR, F32), jnp.zeros((st.bh,), F32),
              jnp.zeros((st.bh, d2), F32), jnp.zeros((st.bh, d2), F32))
@@ -235,24 +288,37 @@ def _kernel(rows_ref, q_ref, sink_ref, ckv_ref, ring_ref, *rest, st: _Static):
     if st.has_sel:
         carry = jax.lax.fori_loop(clamp(st.n_win), hi, sel_body, carry)
     m, l, acc_e, acc_o = carry
+
+    def finish(o_e, o_o, store):
+        if st.rope:
+            o_e, o_o = _inverse_rope_planes(o_e, o_o, t, freq_ref[...][None, :])
+        store(_interleave(o_e, o_o).astype(BF16 if st.out_bf16 else F32))
+
     if st.splits == 1:
         (o_ref,) = outs
         den = l + jnp.exp(sink_ref[...] - m)
-        o_ref[...] = _interleave(acc_e / den[:, None], acc_o / den[:, None]).astype(o_ref.dtype)
+
+        def store(v):
+            o_ref[...] = v.astype(o_ref.dtype)
+
+        finish(acc_e / den[:, None], acc_o / den[:, None], store)
     else:
-        acc_ref, m_ref, l_ref = outs
-        acc_ref[...] = _interleave(acc_e, acc_o)
-        m_ref[...] = m
-        l_ref[...] = l
+        o_ref, acc_ref, m_ref, l_ref, cnt_ref = outs
+        h, sp = pl.program_id(1), pl.program_id(2)
+        h0 = h * st.bh
+        plt.store(acc_ref.at[r, sp, pl.ds(h0, st.bh), pl.ds(0, st.d)], _interleave(acc_e, acc_o))
+        plt.store(m_ref.at[r, sp, pl.ds(h0, st.bh)], m)
+        plt.store(l_ref.at[r, sp, pl.ds(h0, st.bh)], l)
 
+        @pl.when(common.last_arrival(cnt_ref, r * st.n_hb + h, st.splits, st.interpret))
+        def _merge_here():
+            o = _merge_splits(st, r, h, sink_ref[...], acc_ref, m_ref, l_ref)
 
-def _merge(acc, m, l, sink):
-    """Split partials acc [R,S,H,d], m/l [R,S,H] -> o [R,H,d] f32."""
-    mx = jnp.max(m, axis=1)
-    w = jnp.exp(m - mx[:, None])
-    num = jnp.sum(acc * w[..., None], axis=1)
-    den = jnp.sum(l * w, axis=1) + jnp.exp(sink[None, :] - mx)
-    return num / den[..., None]
+            def store(v):
+                plt.store(o_ref.at[r, pl.ds(h0, st.bh), pl.ds(0, st.d)], v.astype(o_ref.dtype))
+
+            o_e, o_o = _planes(o)
+            finish(o_e, o_o, store)
 
 
 def _check(a: SparseAttentionOperands, kv: PagedAttentionKV):
@@ -306,7 +372,8 @@ def paged_sparse_attention(a: SparseAttentionOperands, kv: PagedAttentionKV, *, 
     st = _Static(d=d, W=W, T=T, n_win=n_win, n_chunks=n_win + n_sel, per=bs.chunks_per_split,
                  splits=bs.num_splits, bh=bs.block_h, n=kv.page_tokens // max(a.ratio, 1), eb=eb,
                  max_pages=1 if sel is None else kv.page_table.shape[1], scale=float(scale), decode=decode,
-                 align=math.gcd(eb, 16), has_sel=sel is not None)
+                 align=math.gcd(eb, 16), has_sel=sel is not None, rope=0 if a.freqs is None else a.freqs.shape[0],
+                 R=R, n_hb=bs.heads_padded // bs.block_h, interpret=interpret, out_bf16=q.dtype == jnp.bfloat16)
     return _call(st, bs, interpret, _poison_out, a, kv, region)
 
 
@@ -318,58 +385,56 @@ def _call(st: _Static, bs: ResolvedBlockSizes, interpret: bool, poison: bool, a:
     B, T, H, d = q.shape
     L, R, W, e = ring.shape
     BT, Hp, bh, S = B * T, bs.heads_padded, bs.block_h, bs.num_splits
-    bi = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
-    ti = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
-    zero = jnp.zeros_like(bi)
-    # per-row int32 table: b, t, pos0, clip, ring row (layer * R + slot), region, 2 pad columns
-    rows = jnp.stack([bi, pos0[bi] + ti, pos0[bi], clip[bi], layer * R + ring_slot[bi], zero + region, zero, zero],
-                     axis=1).astype(jnp.int32)
+    i32 = jnp.int32
     qr = q.reshape(BT, H, d)
     sk = sink.astype(F32)
     if Hp != H:
         qr = jnp.pad(qr, [(0, 0), (0, Hp - H), (0, 0)])
         sk = jnp.pad(sk, [(0, Hp - H)])
-    qr = jnp.stack([qr[..., 0::2], qr[..., 1::2]], axis=1)  # [BT, 2, Hp, d/2]: even / odd planes
-    qspec = pl.BlockSpec((None, 2, bh, d // 2), lambda r, h, s: (r, 0, h, 0))
-    inputs = [rows, qr, sk, chunk_kv.astype(q.dtype), ring.reshape(L * R, W, e)]
+    # per-row metadata read in-kernel (row r: sequence r // T, position pos0 + r % T): no table built in XLA
+    inputs = [pos0.astype(i32), clip.astype(i32), ring_slot.astype(i32), layer.reshape(1).astype(i32),
+              _scalar(region).reshape(1), qr, sk, chunk_kv.astype(q.dtype), ring.reshape(L * R, W, e)]
     anyspec = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [anyspec, qspec,
-                pl.BlockSpec((bh,), lambda r, h, s: (h,)), anyspec, anyspec]
+    in_specs = [anyspec] * 5 + [pl.BlockSpec((None, bh, d), lambda r, h, s: (r, h, 0)),
+                                pl.BlockSpec((bh,), lambda r, h, s: (h,)), anyspec, anyspec]
+    if st.rope:
+        inputs.append(_plane_freqs(a.freqs, d))
+        in_specs.append(pl.BlockSpec((d // 2,), lambda r, h, s: (0,)))
     if st.has_sel:
-        sl = sel.reshape(BT, sel.shape[-1]).astype(jnp.int32)
+        sl = sel.reshape(BT, sel.shape[-1]).astype(i32)
         kp = (st.n_chunks - st.n_win) * CHUNK
         if kp != sl.shape[1]:
             sl = jnp.pad(sl, [(0, 0), (0, kp - sl.shape[1])], constant_values=-1)
-        inputs += [sl, page_table.astype(jnp.int32), pages]
+        inputs += [sl, page_table.astype(i32), pages]
         in_specs += [anyspec] * 3
+    o_shape = jax.ShapeDtypeStruct((BT, Hp, d), q.dtype)
     if S == 1:
-        out_shape = [jax.ShapeDtypeStruct((BT, Hp, d), q.dtype)]
+        out_shape = [o_shape]
         out_specs = [pl.BlockSpec((None, bh, d), lambda r, h, s: (r, h, 0))]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((BT, S, Hp, d), F32), jax.ShapeDtypeStruct((BT, S, Hp), F32),
-                     jax.ShapeDtypeStruct((BT, S, Hp), F32)]
-        out_specs = [pl.BlockSpec((None, None, bh, d), lambda r, h, s: (r, s, h, 0)),
-                     pl.BlockSpec((None, None, bh), lambda r, h, s: (r, s, h)),
-                     pl.BlockSpec((None, None, bh), lambda r, h, s: (r, s, h))]
+    else:  # split partials, merged in-kernel by the last split of each (row, head block) to arrive
+        out_shape = [o_shape, jax.ShapeDtypeStruct((BT, S, Hp, d), F32), jax.ShapeDtypeStruct((BT, S, Hp), F32),
+                     jax.ShapeDtypeStruct((BT, S, Hp), F32), jax.ShapeDtypeStruct((BT * (Hp // bh),), i32)]
+        out_specs = [anyspec] * 5
     kernel = functools.partial(_kernel, st=st)
     aliases = {}
-    if poison:  # NaN-filled outputs passed in and aliased: an unwritten block stays NaN
-        n_in = len(inputs)
-        aliases = {n_in + i: i for i in range(len(out_shape))}
-        inputs += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
-        in_specs += [anyspec] * len(out_shape)
-        kernel = functools.partial(_drop_trailing, kernel, len(out_shape))
+    if poison:  # a NaN-filled output passed in and aliased: an unwritten block stays NaN
+        inputs.append(jnp.full(o_shape.shape, jnp.nan, q.dtype))
+        in_specs.append(anyspec)
+        aliases[len(inputs) - 1] = 0
+    if S > 1:
+        inputs.append(jnp.zeros((BT * (Hp // bh),), i32))  # the arrival counters
+        in_specs.append(anyspec)
+        aliases[len(inputs) - 1] = 4
+    if aliases:
+        kernel = functools.partial(_drop_aliased, kernel, len(aliases), len(out_shape))
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(BT, Hp // bh, S), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases, interpret=interpret, name="paged_sparse_attention",
         compiler_params=plt.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages))(*inputs)
-    if S == 1:
-        o = outs[0]
-    else:
-        o = _merge(*outs, sk).astype(q.dtype)
-    return o[:, :H].reshape(B, T, H, d)
+    return outs[0][:, :H].reshape(B, T, H, d)
 
 
-def _drop_trailing(kernel, n, *refs):
-    """Kernel wrapper that ignores the n aliased poison inputs (they precede the n outputs)."""
-    return kernel(*refs[: len(refs) - 2 * n], *refs[len(refs) - n:])
+def _drop_aliased(kernel, n: int, n_out: int, *refs):
+    """Kernel wrapper that ignores the n aliased inputs (the last inputs; the n_out outputs follow them)."""
+    n_in = len(refs) - n_out
+    return kernel(*refs[: n_in - n], *refs[n_in:])

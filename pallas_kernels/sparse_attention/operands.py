@@ -24,6 +24,8 @@ class SparseAttentionOperands:
     sink: jax.Array = heads(0)  # [H] f32 attention-sink logits
     layer: jax.Array  # [] int32 the layer (its rings)
     src: jax.Array  # [] int32 KV source slot of `sel` (the KV strategy turns it into a page region)
+    freqs: jax.Array | None = None  # [rope_dim / 2] f32 the layer's RoPE frequencies: the output leaves with the
+    # inverse rotation at its query position (dsv41_jax.rope.apply_rope(inverse=True)); None: no rotation
     ratio: int = static()  # compress ratio of `sel`'s source (1 for SWA-only layers)
     fresh: bool = static(default=False)  # a chunk from position 0 with empty rings: the reference's prefill
     # window order (the XLA branch only; the kernel serves continuation chunks and decode)

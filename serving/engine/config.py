@@ -131,7 +131,7 @@ class EngineArgs:
         "compilation cache too)", choices=EXECUTIONS))
     kernels: str = field(default="auto", metadata=cli(
         "auto: the Pallas kernels on a GPU where they serve the model (bf16 compute, FP8/FP4 KV, window a multiple "
-        "of 64, no tensor parallelism, compiled execution), XLA's ops elsewhere (on a CPU the kernels would run "
+        "of 64, compiled execution; under TP and DP / DEP too), XLA's ops elsewhere (on a CPU the kernels would run "
         "interpreted); on the H200 (medium) Pallas decodes 2.3-3.1x and prefills 2.5x faster (docs/BENCHMARKS.md); "
         "pallas refuses a model it cannot serve, naming why", choices=KERNELS))
     compilation_cache_dir: str | None = field(default=None, metadata=cli(
@@ -218,14 +218,18 @@ class EngineArgs:
 def auto_kernels(a: EngineArgs, cfg) -> str:
     """`--kernels auto`: the Pallas kernels where they are compiled for the hardware (a GPU) and serve this model
     and layout (on the H200, medium: decode ITL 2.3-3.1x, prefill and warm-turn TTFT 2.5x faster than XLA's ops;
-    docs/BENCHMARKS.md), else XLA's. On a CPU they would run in the (slow) interpreter, and eager execution and
-    tensor parallelism have no Pallas path yet."""
+    docs/BENCHMARKS.md), else XLA's. On a CPU they would run in the (slow) interpreter, and eager execution has no
+    Pallas path; which parallel layouts they serve is ops.check_kernels_with_parallel's rule (TP and DP / DEP)."""
     import jax
 
     if jax.default_backend() != "gpu" or a.execution != "compiled" or missing_pallas_ops():
         return "xla"
     par = Parallel.from_flags(a.tensor_parallel_size, a.data_parallel_size, a.enable_expert_parallel, a.force_mesh)
-    if (par is not None and par.mode == "tp") or pallas_config_problems(cfg):
+    if pallas_config_problems(cfg):
+        return "xla"
+    try:
+        check_kernels_with_parallel("pallas", par)
+    except ValueError:
         return "xla"
     return "pallas"
 

@@ -155,6 +155,29 @@ def test_kernel_full_scan(ratio, T):
     np.testing.assert_array_equal(np.isfinite(np.asarray(got)).sum(axis=-1), vis)
 
 
+@pytest.mark.parametrize("n_ranks", [2, 4])
+def test_head_partials_sum_to_the_scores(n_ranks):
+    """Tensor parallelism (dsv41_jax.parallel.tp_paged_index_scores): each rank's heads scored without the final
+    rounding (`head_partial`; 8 heads per rank at 4 ranks are padded to the dot's 16 with zero weights), summed
+    over the ranks in f32, then rounded once: equal to the one-device kernel."""
+    ratio, T, lens = 2, 1, [29, 61]
+    _, state, region = _paged(ratio, lens, seed=31)
+    B = len(lens)
+    q, w = _qw(B, T, seed=5)
+    nb = MAX_PAGES * (PAGE_TOKENS // ratio) // 8
+    blocks = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32), (B, T, nb))
+    vis = jnp.asarray(np.array(lens, np.int32)[:, None])
+    rest = (state.pages, state.page_table, blocks, vis, region)
+    want = np.asarray(_scores(q, w, *rest, ratio=ratio, interpret=INTERPRET, entries=64))
+    h = HI // n_ranks
+    parts = [_scores(q[:, :, r * h:(r + 1) * h], w[:, :, r * h:(r + 1) * h], *rest, ratio=ratio,
+                     interpret=INTERPRET, entries=64, head_partial=True) for r in range(n_ranks)]
+    got = np.asarray(K.round_bf16(sum(parts[1:], parts[0])))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(got[fin], want[fin])
+
+
 @pytest.mark.parametrize("ratio,T", [(1, 2), (2, 1)])
 def test_kernel_candidate_subset(ratio, T):
     """Ascending block subsets with -1 padding, blocks past `visible`, a column count that is not a multiple of

@@ -104,29 +104,29 @@ def make_case(seed, *, B, T, H, d, k, ratio, pos0, clip, W=128, L=2, layer=1, wi
     return args, dict(ratio=ratio, scale=d ** -0.5)
 
 
-def bundles(args, ratio):
+def bundles(args, ratio, freqs=None):
     """The positional case as the kernel's operand bundles (what ops builds from the model's operands)."""
     q, chunk, ring, layer, ring_slot, pos0, clip, pages, table, sel, region, sink = args
     d = q.shape[-1]
     a = SparseAttentionOperands(q=q, chunk_kv=chunk, pos0=pos0, clip=clip, sel=sel, sink=sink, layer=layer,
-                                src=jnp.int32(SRC), ratio=ratio)
+                                src=jnp.int32(SRC), ratio=ratio, freqs=freqs)
     kv = PagedAttentionKV(ring=ring, ring_slot=ring_slot, pages=pages, page_table=table, region=region,
                           page_tokens=PAGE_TOKENS, entry_bytes=d // 2 + d // 16)
     return a, kv
 
 
-def ref(args, kw):
+def ref(args, kw, freqs=None):
     """The one reference: the ops seam's XLA branch (window over the packed rings, selected latents through
-    PagedKV, then dsv41_jax.attention.sparse_attention) on the same operands."""
-    return _xla(args, kw["ratio"], kw["scale"])
+    PagedKV, then dsv41_jax.attention.sparse_attention, then the inverse RoPE with `freqs`) on the same operands."""
+    return _xla(args, kw["ratio"], kw["scale"], freqs)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _xla(args, ratio, scale):
+def _xla(args, ratio, scale, freqs=None):
     q, chunk, ring, layer, ring_slot, pos0, clip, pages, table, sel, region, sink = args
     d, W = q.shape[-1], ring.shape[2]
     cfg = SimpleNamespace(qdq=True, head_dim=d, compute_dtype="bfloat16", window_size=W)
-    a, _ = bundles(args, ratio)
+    a, _ = bundles(args, ratio, freqs)
     assert scale == d ** -0.5  # the seam's scale
     ex = ExecContext(kv=PagedKV(_layout(ratio, d), "bfloat16"))
     state = KVState(SwaPool(ring, ring_slot), PagedGlobal(pages, table), None)
@@ -146,9 +146,9 @@ def _assert_close(got, want, exact=0.99):
     assert (g == w).mean() >= exact, f"exact fraction {(g == w).mean()}"
 
 
-def _run(args, kw, **opts):
+def _run(args, kw, freqs=None, **opts):
     fn = functools.partial(paged_sparse_attention, scale=kw["scale"], interpret=INTERPRET, _poison_out=True, **opts)
-    return jax.jit(fn)(*bundles(args, kw["ratio"]))
+    return jax.jit(fn)(*bundles(args, kw["ratio"], freqs))
 
 
 SMALL = dict(H=16, d=64, k=128)
@@ -178,6 +178,20 @@ def test_kernel_matches_ref(ratio, T, pos0, clip, splits):
     args, kw = make_case(10 + ratio, B=B, T=T, ratio=ratio, pos0=pos0, clip=clip, **SMALL)
     got = _run(args, kw, block_sizes=BlockSizes(block_h=16, num_splits=splits))
     _assert_close(got, ref(args, kw), 0.99 if splits == 1 else 0.75)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_inverse_rope_in_the_epilogue(splits):
+    """With the layer's RoPE frequencies the output leaves inverse-rotated (the model's apply_rope(inverse=True));
+    one split rotates in the kernel's epilogue, several after the XLA merge."""
+    from dsv41_jax.rope import rope_freqs
+
+    args, kw = make_case(21, B=2, T=2, ratio=2, pos0=[900, 37], clip=[0, 0], **SMALL)
+    freqs = jnp.asarray(rope_freqs(16, 160000.0, 4096, 16.0))  # the last 16 of d = 64 channels rotate
+    got = _run(args, kw, freqs, block_sizes=BlockSizes(block_h=16, num_splits=splits))
+    want = ref(args, kw, freqs)
+    assert not np.array_equal(_f32(want), _f32(ref(args, kw)))  # the rotation moves the output
+    _assert_close(got, want, 0.99 if splits == 1 else 0.75)
 
 
 def test_kernel_int_decode_padded_heads_swa_only():
@@ -221,9 +235,9 @@ def _abstract_full(B, T, with_sel=True, n_pages=64, max_pages=128):
     (2, 1, BlockSizes(block_h=32), "cvt", False),
 ])
 def test_full_shape_lowers_for_h200(B, T, bs, decode, with_sel):
-    def f(*a):
-        return paged_sparse_attention(*bundles(a, 1), scale=512 ** -0.5, interpret=False, block_sizes=bs,
+    def f(freqs, *a):
+        return paged_sparse_attention(*bundles(a, 1, freqs), scale=512 ** -0.5, interpret=False, block_sizes=bs,
                                       decode=decode)
 
-    text = common.lower_for_h200(f, *_abstract_full(B, T, with_sel))
+    text = common.lower_for_h200(f, jax.ShapeDtypeStruct((32,), jnp.float32), *_abstract_full(B, T, with_sel))
     assert "__gpu$xla.gpu.triton" in text
