@@ -25,7 +25,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default
 DEFAULT_MODEL_NAME = "dsv41-stdlib-8k"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GROUPS = {"model": "model", "engine": "engine", "parallelism": "parallelism (docs/PARALLELISM.md)",
-          "multi-host": "multi-host", "server": "server", "tool calling": "tool calling", "security": "security"}
+          "speculative decoding": "speculative decoding", "multi-host": "multi-host", "server": "server",
+          "tool calling": "tool calling", "security": "security"}
 _S = ServerConfig()  # the server's defaults
 
 # The server's own flags (every engine flag is an EngineArgs field: serving/engine/config.py). Each group's

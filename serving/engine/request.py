@@ -55,6 +55,7 @@ class OutputState:
     last_token_t: float | None = None
     prompt_lps: list = field(default_factory=list)  # prompt logprobs (echo), first entry None
     error: str | None = None  # set when the engine failed while running this request
+    spec: object | None = None  # speculative decoding: the request's SpecStats (serving.engine.spec_decode)
 
     @property
     def text(self) -> str:
