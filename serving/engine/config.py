@@ -212,6 +212,10 @@ class EngineArgs:
         if a.speculative is not None and a.speculative.num_speculative_tokens + 1 > W:
             raise ValueError(f"--speculative-config: 1 + num_speculative_tokens must be <= the sliding window ({W}): "
                              "the verify rows' ring slots are saved and restored within one window")
+        if a.speculative is not None and a.speculative.method == "dspark":
+            from serving.engine.spec_draft import check_model
+
+            check_model(cfg, a.speculative.num_speculative_tokens)
         if not a.snapshot_slots:  # one per conversation between turns: agentic lanes idle far longer than they run;
             a.snapshot_slots = 8 * a.max_num_seqs  # at 2 x seqs AgentX missed 11% of warm turns (snapshot_sim)
         return a

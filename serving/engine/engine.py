@@ -482,6 +482,8 @@ class Engine:
                     else:
                         r = call.row(i)
                         self._append(req, out.tokens[r], out.token_logprob[r], out.top_ids[r], out.top_logprobs[r])
+                    if out.drafts is not None:  # the device draft's next proposal (DSpark)
+                        req.drafts = out.drafts[call.row(i)].tolist()
         return touched
 
     def _accept(self, req: Request, out: StepOutputs, row: int, n_draft: int):

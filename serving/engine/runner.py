@@ -27,7 +27,9 @@ Rollback in verify[B] (the state after the call equals plain decoding's after th
   a query at position t sees only entries of complete groups before t, and the step that later covers such a
   position rewrites its entries (from the accepted token, with the restored carry) before any query reads them;
   pages are published to the prefix cache only below the accepted positions (Scheduler.accepted).
-Requires 1 + k <= W (EngineArgs.resolved checks it).
+Requires 1 + k <= W (EngineArgs.resolved checks it). With the DSpark draft (method dspark) every program with
+decoder rows also writes the draft's context rings and every sampling program drafts the next k tokens
+(serving/engine/spec_draft.py): only accepted rows enter the rings.
 
 Invariant: after a program call the runner holds valid pools, or `pools_lost()` is true (the call failed after
 the pools were donated); the engine then calls `reset_pools()` and recomputes what was lost.
@@ -67,6 +69,7 @@ from serving.engine import multihost
 from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW, decoder_rows
 from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
 from serving.engine.sampler import sample
+from serving.engine.spec_draft import POOL_AXIS, DeviceDraft
 from serving.engine.spec_verify import verify
 from serving.engine.step_io import (
     DECODE,
@@ -91,7 +94,7 @@ def _check_pallas_config(cfg):
 
 def _pool_axis(name: str) -> int:
     """The axis of a pool that holds the data-parallel ranks' blocks (pages / slots / snapshot slots)."""
-    return 0 if name in ("pages", "moe_dropped") else 1
+    return 0 if name in ("pages", "moe_dropped") else POOL_AXIS.get(name, 1)
 
 
 def restore_ring_slots(pool, slots, ring, saved, rejected, W: int):
@@ -124,6 +127,11 @@ class Runner:
         self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels, mesh=mesh,
                               parallel=self.par)
         self.swa_layout = ops.swa_layout(self.ex)  # how a program holds the rings (kv_cache.SwaRings / SwaPool)
+        spec = getattr(args, "speculative", None)
+        self.draft = None  # DSpark: the draft's pools and program part (serving.engine.spec_draft)
+        if spec is not None and spec.method == "dspark":
+            self.draft = DeviceDraft(cfg, spec.num_speculative_tokens, spec.draft_sample_method == "probabilistic",
+                                     self.ex)
         if mesh is not None:
             self.param_specs = param_partition_specs(cfg, self.par, mesh)
             if not abstract:
@@ -160,6 +168,8 @@ class Runner:
                 shapes["snap_comp_score"] = ((self.n_r2, N * n, 2, d), f32, -jnp.inf)
         if self.par is not None and self.par.ep:
             shapes["moe_dropped"] = ((N,), jnp.int32, 0)
+        if self.draft is not None:
+            shapes.update(self.draft.pool_shapes(N * (self.S + 1)))
         return shapes
 
     def pool_specs(self) -> dict:
@@ -276,8 +286,10 @@ class Runner:
                         comp)
         n_dec = decoder_rows(key.decoder, T, cfg.window_size)
         n_logits = T if key.all_logits or key.verify else 1
-        logits, state, _, aux = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec,
-                                          n_logits=n_logits, ex=self.ex)
+        draft = self.draft is not None and n_dec > 0  # the draft reads the decoder rows' features
+        res = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec, n_logits=n_logits, ex=self.ex,
+                        **({"features": True} if draft else {}))
+        logits, state, aux, feats = res[0], res[1], res[3], res[4] if draft else None
         out = dict(pools, pages=state.glob.pages, swa=state.swa.store(cfg, pools["swa"], slots))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state.comp.kv)
@@ -285,9 +297,11 @@ class Runner:
         if "moe_dropped" in pools:
             out["moe_dropped"] = pools["moe_dropped"] + aux.moe_dropped
         if not key.sample:
+            if draft:
+                out, _ = self.draft.step(params, pools, out, slots, feats, feats.valid)
             return out, None
         if key.verify:
-            return self._verify(out, state, logits, inp, ring, saved, T)
+            return self._verify(params, pools, out, state, logits, feats, inp, ring, saved, T)
         s = inp.sampling
         if n_logits == 1:
             last = logits[:, 0]
@@ -301,14 +315,26 @@ class Runner:
             res.prompt_next_logprob = jnp.take_along_axis(lp, s.next_ids[..., None], axis=-1)[..., 0]
             res.prompt_top_logprobs, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
             res.prompt_top_ids = ids.astype(jnp.int32)
-        return out, pack_outputs(res, T, key.all_logits)
+        if draft:  # the draft continues after the sampled token, at the position after the chunk
+            c = inp.chunk
+            out, res.drafts = self.draft.step(params, pools, out, slots, feats, feats.valid, tok, c.pos0 + c.n_valid,
+                                              s, s.counter + 1)
+        return out, pack_outputs(res, T, key.all_logits, drafts=self.draft_tokens(key))
 
-    def _verify(self, out, state, logits, inp: StepInputs, ring, saved, T: int):
-        """verify[B]'s tail: accept / resample (spec_verify.verify), then roll back what the rejected rows wrote."""
+    def draft_tokens(self, key: ProgramKey) -> int:
+        """Draft tokens a program returns per row (the DSpark draft's, in sampling programs with decoder rows)."""
+        has_dec = key.kind != PREFILL or key.decoder != DEC_NONE or key.all_logits
+        return self.draft.k if self.draft is not None and key.sample and has_dec else 0
+
+    def _verify(self, params, pools, out, state, logits, feats, inp: StepInputs, ring, saved, T: int):
+        """verify[B]'s tail: accept / resample (spec_verify.verify), then roll back what the rejected rows wrote;
+        with the DSpark draft, its context from the accepted rows and the next drafts."""
         cfg, s, c, slots = self.cfg, inp.sampling, inp.chunk, inp.slots
         n_draft = jnp.maximum(c.n_valid - 1, 0)
+        q = None if self.draft is None else self.draft.probs(pools, slots)
         toks, n_acc, tok_lp, top_ids, top_lp = verify(logits, c.tokens[:, 1:], n_draft, s.temperature, s.top_k,
-                                                      s.top_p, s.min_p, s.seed, s.counter, s.allowed)
+                                                      s.top_p, s.min_p, s.seed, s.counter, s.allowed,
+                                                      None if q is None else q[:, :T - 1])
         rows = jnp.arange(T)[None]
         rejected = (rows > n_acc[:, None]) & (rows < c.n_valid[:, None])
         out["swa"] = restore_ring_slots(out["swa"], slots, ring, saved, rejected, cfg.window_size)
@@ -317,7 +343,12 @@ class Runner:
             out["comp_kv"] = out["comp_kv"].at[:, slots].set(kv)
             out["comp_score"] = out["comp_score"].at[:, slots].set(sc)
         res = StepOutputs(toks, tok_lp, top_ids, top_lp, n_accepted=n_acc)
-        return out, pack_outputs(res, T, False, verify=True)
+        if feats is not None:  # rows 0..a are final: their features enter the rings; the last token anchors
+            last = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
+            acc = feats.valid & (rows <= n_acc[:, None])
+            out, res.drafts = self.draft.step(params, pools, out, slots, feats, acc, last, c.pos0 + n_acc + 1, s,
+                                              s.counter + n_acc + 1)
+        return out, pack_outputs(res, T, False, verify=True, drafts=self.draft_tokens(ProgramKey(VERIFY, 1)))
 
     def _snap(self, pools, src, dst, *, save: bool):
         if self.dp:  # src / dst: one slot per rank [N]
@@ -443,7 +474,8 @@ class Runner:
                 self.pools, packed = fn(self.params, self.pools, inp)
         else:
             self.pools, packed = fn(self.params, self.pools, inp)
-        return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits, key.verify)
+        return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits, key.verify,
+                                                          self.draft_tokens(key))
 
     def _slot_arg(self):
         if not self.dp:

@@ -17,8 +17,8 @@ Config (vLLM spellings; unknown keys are refused, naming them):
 
 Proposers (`Proposer`): `propose(req, k) -> list[int]` runs on the host between steps, from the request's tokens
 (prompt + accepted output), and returns at most k tokens (fewer or none is fine: that request then verifies
-fewer rows, none = a plain decode row). Drafts are one-hot (`probabilistic = False`); a proposer with draft
-probabilities runs on the device instead (see `DEVICE_METHODS`).
+fewer rows, none = a plain decode row). The ngram proposer's drafts are one-hot; DSpark drafts on the device
+inside the programs (serving/engine/spec_draft.py) and its proposer hands over what the last step drafted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import numpy as np
 
 MAX_SPEC_TOKENS = 5  # V4.1's dspark_block_size: the verify program scores 1 + k <= 6 rows
 METHODS = ("ngram", "dspark")
-DEVICE_METHODS = ("dspark",)  # drafted inside the device programs (the draft model's own state and features)
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "rejection_sample_method",
          "draft_sample_method", "model"}
 
@@ -139,14 +138,21 @@ def ngram_draft(tokens, k: int, lo: int, hi: int) -> list[int]:
     return []
 
 
+class DeviceDraftProposer(Proposer):
+    """The drafts a device draft (DSpark, serving/engine/spec_draft.py) produced in the request's last step."""
+    method = "dspark"
+
+    def propose(self, req, k: int) -> list[int]:
+        return req.drafts[:k]
+
+
 def make_proposer(spec: SpeculativeConfig | None) -> Proposer | None:
-    """The host proposer of a config (None: off, or drafted on the device)."""
+    """The proposer of a config (None: off)."""
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    raise ValueError(f"speculative method {spec.method!r} drafts on the device: its draft model is not available "
-                     "in this build (serving/engine/spec_decode.py DEVICE_METHODS)")
+    return DeviceDraftProposer()
 
 
 @dataclass

@@ -124,37 +124,40 @@ class StepOutputs:
     prompt_top_ids: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] int32
     prompt_top_logprobs: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] f32
     n_accepted: np.ndarray | None = None  # verify: [B] int32 drafts accepted (tokens[:, :n_accepted + 1] emitted)
+    drafts: np.ndarray | None = None  # DSpark: [B, k] int32 the draft's next proposal (verified by the next step)
 
 
-def _layout(B: int, T: int, all_logits: bool, verify: bool = False):
+def _layout(B: int, T: int, all_logits: bool, verify: bool = False, drafts: int = 0):
     """(field, per-row shape, dtype) in packing order."""
     n = MAX_LOGPROBS
+    extra = [("drafts", (drafts,), np.int32)] if drafts else []
     if verify:
         return [("tokens", (T,), np.int32), ("token_logprob", (T,), np.float32), ("top_ids", (T, n), np.int32),
-                ("top_logprobs", (T, n), np.float32), ("n_accepted", (), np.int32)]
+                ("top_logprobs", (T, n), np.float32), ("n_accepted", (), np.int32), *extra]
     out = [("tokens", (), np.int32), ("token_logprob", (), np.float32), ("top_ids", (n,), np.int32),
-           ("top_logprobs", (n,), np.float32)]
+           ("top_logprobs", (n,), np.float32), *extra]
     if all_logits:
         out += [("prompt_next_logprob", (T,), np.float32), ("prompt_top_ids", (T, n), np.int32),
                 ("prompt_top_logprobs", (T, n), np.float32)]
     return out
 
 
-def pack_outputs(out: StepOutputs, T: int, all_logits: bool, verify: bool = False) -> jax.Array:
+def pack_outputs(out: StepOutputs, T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> jax.Array:
     """Device side: every field of `out` (jax arrays) into one int32 [B, width] array."""
     parts = []
-    for name, _, dt in _layout(out.tokens.shape[0], T, all_logits, verify):
+    for name, _, dt in _layout(out.tokens.shape[0], T, all_logits, verify, drafts):
         x = getattr(out, name)
         x = x.astype(jnp.int32) if dt == np.int32 else jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
         parts.append(x.reshape(x.shape[0], -1))
     return jnp.concatenate(parts, axis=1)
 
 
-def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool, verify: bool = False) -> StepOutputs:
+def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool, verify: bool = False,
+                   drafts: int = 0) -> StepOutputs:
     """Host side: the inverse of `pack_outputs` on the transferred numpy array."""
     B = packed.shape[0]
     vals, off = {}, 0
-    for name, shape, dt in _layout(B, T, all_logits, verify):
+    for name, shape, dt in _layout(B, T, all_logits, verify, drafts):
         w = int(np.prod(shape)) if shape else 1
         col = packed[:, off:off + w]
         off += w
@@ -167,17 +170,17 @@ def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool, verify: bool = 
 class PendingOutputs:
     """A program's packed outputs on their way to the host (the copy starts at construction)."""
 
-    def __init__(self, packed: jax.Array, T: int, all_logits: bool, verify: bool = False):
+    def __init__(self, packed: jax.Array, T: int, all_logits: bool, verify: bool = False, drafts: int = 0):
         self.packed = packed
-        self.T, self.all_logits, self.verify = T, all_logits, verify
+        self.T, self.all_logits, self.verify, self.drafts = T, all_logits, verify, drafts
         packed.copy_to_host_async()
         self._host: StepOutputs | None = None
 
     def get(self) -> StepOutputs:
         if self._host is None:
-            self._host = unpack_outputs(np.asarray(self.packed), self.T, self.all_logits, self.verify)
+            self._host = unpack_outputs(np.asarray(self.packed), self.T, self.all_logits, self.verify, self.drafts)
         return self._host
 
 
-if {f.name for f in fields(StepOutputs)} != {n for v in (False, True) for n, _, _ in _layout(1, 1, True, v)}:
+if {f.name for f in fields(StepOutputs)} != {n for v in (False, True) for n, _, _ in _layout(1, 1, True, v, 1)}:
     raise ImportError("StepOutputs and its packing layout disagree")
