@@ -14,6 +14,8 @@ Mutation checks: the same runs with the SWA restore or the compressor-carry roll
 At temperature > 0: a chi-square test of the rejection sampler against the target distribution, failed by the
 same sampler without its residual distribution.
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,15 @@ class Oracle(Proposer):
 class Off(Proposer):
     def propose(self, req, k):
         return []
+
+
+class RandomDrafts(Proposer):
+    """k random drafts for every request (nearly all rejected)."""
+    def __init__(self):
+        self.rng = np.random.default_rng(9)
+
+    def propose(self, req, k):
+        return self.rng.integers(0, 512, k).tolist()
 
 
 def _engine(cfg, **kw):
@@ -145,6 +156,24 @@ def test_greedy_spec_equals_plain_bf16_bounded_replay(eng_b):
     assert sum(r["final"].spec_decoding["num_accepted_draft_tokens"] for r in spec) > 200
 
 
+@pytest.mark.skipif(not os.environ.get("DSV41_SPEC_SMALL"), reason="the small preset on a CPU takes minutes: "
+                    "DSV41_SPEC_SMALL=1 runs it")
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded_replay", "exact_mode"])
+def test_greedy_spec_equals_plain_small_preset(bounded):
+    """The small preset (W = 128, 16 layers, 3 ratio-2 sources): prompts across the window and a page, 300 tokens."""
+    cfg = ModelConfig.preset("small")
+    eng = Engine(cfg, EngineArgs(**{**ARGS, "max_model_len": 1024, "max_num_seqs": 2, "max_num_batched_tokens": 256,
+                                    "prefill_buckets": (256,), "decode_buckets": (2,), "swa_bounded_replay": bounded}),
+                 params=jax.jit(lambda: init_params(cfg, 0))(), progress=False, proposer=Off())
+    rng = np.random.default_rng(10)
+    ps = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (150, 300)]
+    plain = run(eng, ps, "sm-plain", Off(), via_verify=True)
+    spec = run(eng, ps, "sm-spec", Oracle(truth_of(ps, plain, "sm-spec"), seed=2))
+    assert [r["ids"] for r in plain] == [r["ids"] for r in spec]
+    assert all(len(r["ids"]) == N_TOKENS for r in spec)
+    assert sum(r["final"].spec_decoding["num_accepted_draft_tokens"] for r in spec) > 100
+
+
 def test_ngram_proposer_in_the_engine(eng_x):
     """The real prompt-lookup proposer (its drafts come from the prompt and from the loops a random model's greedy
     output falls into): drafts get accepted and rejected, the output is unchanged."""
@@ -175,6 +204,37 @@ def test_stops_lengths_and_logprobs_inside_accepted_drafts(eng_x):
     assert spec[1]["final"].finish_reason == "stop" and len(spec[1]["ids"]) == cut + 1
 
 
+def test_structured_output_beside_speculating_requests(eng_x):
+    """A grammar request gets no drafts (its mask covers only the next token) but rides in the same verify calls:
+    its output matches the grammar and equals its plain run; the other request speculates."""
+    import re
+
+    from serving.engine.structured import StructuredOutputs
+
+    ps = prompts(9, (30, 60))
+    so = dict(structured=StructuredOutputs(regex="[a-c]{30}"), max_tokens=40)
+
+    def both(tag, proposer):
+        eng_x.proposer = proposer
+        try:
+            res = {}
+            for i, (p, extra) in enumerate(zip(ps, (so, {}))):
+                res[i] = []
+                sp = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 40, **extra}
+                eng_x.add_request(f"{tag}-{i}", p, SamplingParams(**sp), cache_salt=tag)
+            for o in eng_x.run_until_done():
+                res[int(o.request_id.rsplit("-", 1)[1])] += o.new_token_ids
+            return res
+        finally:
+            eng_x.proposer = Off()
+
+    plain = both("g-plain", Off())
+    d0 = spec_counters(eng_x)[0]
+    spec = both("g-spec", RandomDrafts())
+    assert spec == plain and spec_counters(eng_x)[0] > d0
+    assert re.fullmatch("[a-c]{30}", bytes(t for t in spec[0] if t < 256).decode())
+
+
 def test_warm_turn_after_speculation_equals_cold(eng_x):
     """Pages published while speculating hold only accepted tokens: exact mode's warm turn equals a cold one."""
     p1 = prompts(5, (70,))[0]
@@ -195,7 +255,8 @@ def test_warm_turn_after_speculation_equals_cold(eng_x):
 def test_a_wrong_rollback_diverges(eng_x, monkeypatch, broken):
     """The exactness test has teeth: without either half of the rollback the same run differs from plain."""
     ps = prompts(7, (40, 100))
-    plain = run(eng_x, ps, f"m-plain-{broken}", Off(), n=120)
+    n = 60
+    plain = run(eng_x, ps, f"m-plain-{broken}", Off(), n=n)
     r = eng_x.runner
     key = ProgramKey(VERIFY, 4, spec=K)
     good = r.programs[key]
@@ -206,15 +267,80 @@ def test_a_wrong_rollback_diverges(eng_x, monkeypatch, broken):
     r.programs[key] = jax.jit(r._fn(key), donate_argnums=(1,)).lower(r.params, r.pools,
                                                                       r._abstract_inputs(key)).compile()
     try:
-        spec = run(eng_x, ps, f"m-spec-{broken}", Oracle(truth_of(ps, plain, f"m-spec-{broken}"), corrupt=0.5))
+        spec = run(eng_x, ps, f"m-spec-{broken}", Oracle(truth_of(ps, plain, f"m-spec-{broken}"), corrupt=0.5), n=n)
     finally:
         r.programs[key] = good
+    assert all(len(x["ids"]) == n for x in spec)
     assert [x["ids"] for x in spec] != [x["ids"] for x in plain]
 
 
 def _chunk_end_carry(comp, pos0, end):
     """The broken rollback: the carry the model leaves at the chunk's end (no rollback)."""
     return comp.kv, comp.score
+
+
+def test_per_request_figures_in_http_and_grpc(eng_x):
+    """--per-request-spec-decode-metrics detailed: vLLM's top-level metrics.speculative_decoding on one-choice
+    HTTP responses (streaming: the final usage chunk), none for n > 1; gRPC's Complete.speculative_decoding."""
+    import json
+    import urllib.request
+
+    import grpc
+
+    from serving.api.server import ServerConfig
+    from serving.proto import inference_pb2 as pb
+    from serving.proto import inference_pb2_grpc as pb_grpc
+    from tests.harness import BackgroundServer
+
+    eng_x.proposer = RandomDrafts()
+    cfg = ServerConfig(port=0, grpc_port=0, per_request_spec_decode_metrics="detailed")
+    try:
+        with BackgroundServer(eng_x, cfg) as srv:
+            def post(body):
+                req = urllib.request.Request(srv.http_url + "/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.read().decode()
+
+            base = {"model": "tiny", "prompt": list(range(20)), "max_tokens": 12, "temperature": 0}
+            m = json.loads(post(base))["metrics"]["speculative_decoding"]
+            assert m["num_spec_tokens"] == K and len(m["acceptance_histogram"]) == K + 1
+            assert m["num_spec_steps"] == sum(m["acceptance_histogram"]) == len(m["per_step_accepted"]) > 0
+            assert m["num_draft_tokens"] >= m["num_spec_steps"]
+            assert m["mean_acceptance_length"] == 1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"]
+            assert "metrics" not in json.loads(post({**base, "n": 2}))
+            events = [json.loads(line[6:]) for line in post({**base, "stream": True, "stream_options": {
+                "include_usage": True}}).splitlines() if line.startswith("data: {")]
+            assert "speculative_decoding" in events[-1]["metrics"] and not events[-1]["choices"]
+            assert all("metrics" not in e for e in events[:-1])
+            with grpc.insecure_channel(srv.grpc_target) as ch:
+                msgs = list(pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=list(range(20))),
+                    sampling_params=pb.SamplingParams(max_tokens=12, temperature=0)), timeout=120))
+            g = msgs[-1].complete.speculative_decoding
+            assert g.num_spec_tokens == K and g.num_spec_steps == len(g.per_step_accepted) > 0
+    finally:
+        eng_x.proposer = Off()
+
+
+def test_dspark_device_drafts_verify_exactly():
+    """--speculative-config method dspark: the draft writes its rings from accepted rows and drafts inside the
+    programs; greedy output equals plain decoding's (random weights: the draft is rarely right, so mostly the
+    all-rejected path; the oracle tests above cover the rest). Runs once dsv41_jax.dspark is present."""
+    pytest.importorskip("dsv41_jax.dspark")
+    from serving.engine.spec_decode import DeviceDraftProposer
+
+    cfg = ModelConfig.preset("tiny", qdq=False, compute_dtype="float32", max_seq_len=512)
+    eng = Engine(cfg, EngineArgs(**{**ARGS, "max_num_seqs": 2, "decode_buckets": (2,), "swa_bounded_replay": False,
+                                    "speculative_config": f'{{"method": "dspark", "num_speculative_tokens": {K}}}'}),
+                 params=jax.jit(lambda: init_params(cfg, 0))(), progress=False)
+    assert "draft_kv" in eng.runner.pools and "draft_probs" in eng.runner.pools
+    ps = prompts(8, (40, 100))
+    plain = run(eng, ps, "d-plain", Off(), n=80)
+    spec = run(eng, ps, "d-spec", DeviceDraftProposer(), n=80)
+    assert [r["ids"] for r in plain] == [r["ids"] for r in spec]
+    d, t, _, _ = spec_counters(eng)
+    assert d > 50 and d * (K - 1) < t <= d * K  # k drafts per step, fewer only near max_tokens
 
 
 # ----------------------------------------------------------------------------- the rejection sampler
