@@ -489,9 +489,7 @@ class Engine:
     def _accept(self, req: Request, out: StepOutputs, row: int, n_draft: int):
         """A verified decode: commit the accepted positions, count, then append the emitted tokens in order."""
         a = int(out.n_accepted[row])
-        rank = self._rank_of(req)
-        rank.scheduler.accepted(req, a)
-        self._publish(req)
+        self._rank_of(req).scheduler.accepted(req, a)
         if n_draft:
             self.metrics.spec_observe(n_draft, a)
             req.out.spec.observe(n_draft, a)
@@ -500,6 +498,8 @@ class Engine:
                 break
             self._append(req, out.tokens[row, j], out.token_logprob[row, j], out.top_ids[row, j],
                          out.top_logprobs[row, j])
+        if req.status != FINISHED:
+            self._publish(req)  # the pages the accepted tokens completed (their block hashes now exist)
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
         if self.hasher is None:

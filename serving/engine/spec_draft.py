@@ -1,6 +1,6 @@
 """The DSpark draft inside the engine's programs (--speculative-config '{"method": "dspark", ...}').
 
-The draft (dsv41_jax/dspark.py) reads features of the backbone's decoder rows and keeps one context ring per
+The draft (`dsv41_jax.dspark`) reads features of the backbone's decoder rows and keeps one context ring per
 stage and request. In the engine every program with decoder rows also runs the draft's side:
 
 - context: the features of the rows whose input tokens are final are written into the request's rings (a
