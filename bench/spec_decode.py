@@ -172,21 +172,27 @@ class _Random:
 
 
 def _steps(eng, B, context, steps, warmup, rng, k):
+    """Median engine step with B requests injected at `context` (aborted afterwards, also on a failure)."""
     from bench.decode_itl import inject
+    from serving.engine.spec_decode import SpecStats
 
     reqs = inject(eng, B, context, (steps + warmup + 2) * (k + 1), rng)
-    for _ in range(warmup):
-        eng.step()
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        ts.append(time.perf_counter() - t0)
-    for r in reqs:
-        eng.abort(r.request_id)
-    while eng.has_unfinished():
-        eng.step()
-    return statistics.median(ts)
+    try:
+        for r in reqs:
+            r.out.spec = SpecStats(k)
+        for _ in range(warmup):
+            eng.step()
+        ts = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    finally:
+        for r in reqs:
+            eng.abort(r.request_id)
+        while eng.has_unfinished():
+            eng.step()
 
 
 def draft_cost(cfg, params, B: int, k: int, reps: int) -> float | None:
