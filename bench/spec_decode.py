@@ -19,9 +19,10 @@ drafts), and the draft step: DSpark's write_context + propose alone at batch B (
 the preset has a draft), or the ngram proposer's host time for B requests of this context. The implied speedup
 at an acceptance vector a (per position, unconditional: P(draft i accepted); default the [0.82, 0.62, 0.42,
 0.25, 0.12] quoted for V4.1-Flash's DSpark) is L * t_decode / (t_verify + t_draft), L = 1 + sum(a): computed
-from measured costs, not served (random weights accept nothing). About 4 minutes on one H200 with the
-compilation cache cold (6 medium programs + 3 draft programs); a failing case prints an error row and the run
-goes on. Prints a short table last.
+from measured costs, not served (random weights accept nothing). About 4-5 minutes on one H200 with a cold
+compilation cache (6 medium programs + 3 draft programs; the shared cache makes a rerun faster), the
+measurements capped by --budget; a failing case prints an error row and the run goes on (a kernel choice that
+refuses the verify shape falls back to XLA and says so). Prints a short table last.
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ def cost(a, argv):
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.kv_format import pages_for
     from serving.engine import Engine, EngineArgs
+    from serving.engine.config import shared_cache_dir
     from serving.engine.step_io import DECODE, VERIFY
 
     if a.smoke:
@@ -273,7 +275,7 @@ def cost(a, argv):
     args = EngineArgs(max_model_len=mml, max_num_seqs=max(batches), max_num_batched_tokens=cfg.window_size,
                       prefill_buckets=(cfg.window_size,), decode_buckets=tuple(batches), kernels=a.kernels,
                       enable_prompt_logprobs=False, enable_prefix_caching=False,
-                      num_pages=1 + max(batches) * pages_for(mml),
+                      num_pages=1 + max(batches) * pages_for(mml), compilation_cache_dir=shared_cache_dir(),
                       speculative_config=f'{{"method": "ngram", "num_speculative_tokens": {a.k}}}')
     t0 = time.perf_counter()
     build_error = None
