@@ -251,6 +251,7 @@ def ngram_cost(B: int, context: int, k: int, reps: int = 5) -> float:
 
 def cost(a, argv):
     import dataclasses
+    import os
 
     import jax
 
@@ -272,6 +273,7 @@ def cost(a, argv):
     params = checkpoints.random_init(cfg, 0)
     jax.block_until_ready(params)
     mml = -(-(a.context + (a.steps + a.warmup + 4) * (a.k + 1) + 64) // 64) * 64
+    os.makedirs(shared_cache_dir(), exist_ok=True)
     args = EngineArgs(max_model_len=mml, max_num_seqs=max(batches), max_num_batched_tokens=cfg.window_size,
                       prefill_buckets=(cfg.window_size,), decode_buckets=tuple(batches), kernels=a.kernels,
                       enable_prompt_logprobs=False, enable_prefix_caching=False,
