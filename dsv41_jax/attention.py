@@ -93,18 +93,21 @@ def ring_update(ring, kv, pos0, W: int, n_valid=None):
 
 
 # ----------------------------------------------------------------------------- compressor
-def compress(cfg, p, x, qpos, pos0, n_valid, ratio: int, kv_state, score_state):
+def compress(cfg, p, x, qpos, pos0, n_valid, ratio: int, kv_state, score_state, *, with_rows: bool = False):
     """New compressed latents from the first n_valid rows of a chunk (pre-RoPE, RMS-normed), with the
     partial-group carry.
 
-    Returns latent [B,G,d], entry index j [B,G], valid [B,G] (group complete), and the new carry.
+    Returns latent [B,G,d], entry index j [B,G], valid [B,G] (group complete), and the new carry (`carry_at` the
+    chunk's end); with `with_rows` also the chunk's extended rows (kv, score) [B, r-1+T, d] (`carry_at` of any
+    shorter end: speculative verification keeps only the accepted rows' carry).
     Ratio 1: one entry per token. Ratio 2: group j = tokens {2j, 2j+1}; softmax over the two tokens per
     channel of the f32 gate scores; an incomplete trailing group waits in (kv_state, score_state) [B,r,d].
     """
     B, T, _ = x.shape
     if ratio == 1:
         lat = rms_norm(cfg, dense(cfg, p["wkv"], x), p["norm"])
-        return lat, qpos, qpos < (pos0 + n_valid)[:, None], kv_state, score_state
+        out = (lat, qpos, qpos < (pos0 + n_valid)[:, None], kv_state, score_state)
+        return out + ((None, None),) if with_rows else out
     kv = dense(cfg, p["wkv"], x, f32=True)
     sc = dense(cfg, p["wgate"], x, f32=True)
     r = ratio
@@ -125,17 +128,25 @@ def compress(cfg, p, x, qpos, pos0, n_valid, ratio: int, kv_state, score_state):
     end = pos0 + n_valid
     valid = (j + 1) * r <= end[:, None]
     lat = rms_norm(cfg, pooled.astype(cdtype(cfg)), p["norm"])
-    # carry: tokens of the trailing incomplete group, stored at slot p % r (others reset)
+    new_kv, new_sc = carry_at(ek, es, pos0, end, r)
+    out = (lat, j, valid, new_kv, new_sc)
+    return out + ((ek, es),) if with_rows else out
+
+
+def carry_at(ek, es, pos0, end, r: int):
+    """The ratio-r compressor's carry once the positions before `end` [B] are consumed: the open group's members
+    at slot p % r, the other slots empty (kv 0, score -inf). From a chunk's extended rows E (ek, es [B, r-1+T, d]:
+    position p at row p - pos0 + r - 1, i.e. the r-1 pending positions before the chunk, then the chunk), any end
+    in [pos0, pos0 + T]: the one home of the carry rule (compress keeps the chunk's end; speculative verification
+    keeps the last accepted row's)."""
+    n = ek.shape[1]
     gstart = (end // r) * r
-    s = jnp.arange(r)
-    pp = gstart[:, None] + s  # candidate positions of the open group
+    pp = gstart[:, None] + jnp.arange(r)  # candidate positions of the open group
     live = pp < end[:, None]
-    src = jnp.clip(pp - pos0[:, None] + (r - 1), 0, T + r - 2)
+    src = jnp.clip(pp - pos0[:, None] + (r - 1), 0, n - 1)
     nk = jnp.take_along_axis(ek, src[..., None], axis=1)
     ns = jnp.take_along_axis(es, src[..., None], axis=1)
-    new_kv = jnp.where(live[..., None], nk, 0.0)
-    new_sc = jnp.where(live[..., None], ns, NEG_INF)
-    return lat, j, valid, new_kv, new_sc
+    return jnp.where(live[..., None], nk, 0.0), jnp.where(live[..., None], ns, NEG_INF)
 
 
 def build_entries(cfg, p_comp, p_idx, lat, j, ratio: int, freqs):

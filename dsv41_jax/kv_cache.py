@@ -120,9 +120,14 @@ class SwaPool:
 @_pytree
 @dataclass(frozen=True)
 class CompressorCarry:
-    """The ratio-2 compressors' open (incomplete) group per sequence, at slot p % 2."""
+    """The ratio-2 compressors' open (incomplete) group per sequence, at slot p % 2. With `rows_kv` / `rows_score`
+    given (zeros [n_r2, B, 1+T, d] for a chunk of T rows), a step also records each source's extended chunk rows
+    there (attention.compress `with_rows`), from which `attention.carry_at` gives the carry at any shorter end
+    (speculative verification: the carry after the last accepted row)."""
     kv: jax.Array  # [n_r2, B, 2, d] f32 pooled-value inputs
     score: jax.Array  # [n_r2, B, 2, d] f32 gate scores (-inf: empty)
+    rows_kv: jax.Array | None = None  # [n_r2, B, 1+T, d] f32 the chunk's extended rows (recorded when given)
+    rows_score: jax.Array | None = None  # [n_r2, B, 1+T, d] f32
 
 
 # ----------------------------------------------------------------------------- global KV: dense

@@ -262,13 +262,16 @@ def _build_global(cfg, ex, params, slot, ratio, x, state: KVState, rows: _Rows) 
         cs = jax.lax.dynamic_index_in_dim(state.comp.score, slot, keepdims=False)
     else:
         ck = cs = None
-    lat, j, ok, ck, cs = attention.compress(cfg, sp["compressor"], x, rows.qpos, rows.pos0, rows.n_valid, ratio,
-                                           ck, cs)
+    record = ratio > 1 and state.comp.rows_kv is not None  # speculative verification: keep the chunk's rows
+    lat, j, ok, ck, cs, *er = attention.compress(cfg, sp["compressor"], x, rows.qpos, rows.pos0, rows.n_valid,
+                                                 ratio, ck, cs, with_rows=record)
     lat, k = attention.build_entries(cfg, sp["compressor"], sp["indexer"], lat, j, ratio, freqs)
     ok = ok & (j * ratio >= rows.write_from[:, None])
     state = replace(state, glob=ex.kv.write(state.glob, ratio, slot, lat, k, j, ok))
     if ratio > 1:
-        state = replace(state, comp=CompressorCarry(_put(state.comp.kv, slot, ck), _put(state.comp.score, slot, cs)))
+        c = state.comp
+        rk, rs = (_put(c.rows_kv, slot, er[0][0]), _put(c.rows_score, slot, er[0][1])) if record else (None, None)
+        state = replace(state, comp=CompressorCarry(_put(c.kv, slot, ck), _put(c.score, slot, cs), rk, rs))
     return state
 
 

@@ -17,6 +17,7 @@ import sys
 import typing
 from pathlib import Path
 
+from serving.api.openai_format import SPEC_METRICS_LEVELS
 from serving.api.server import TOOL_PARSERS, ServerConfig
 from serving.engine.config import CPU_SERVER_DEFAULTS, FIELD_DEFAULT, EngineArgs, Flag
 
@@ -25,7 +26,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default
 DEFAULT_MODEL_NAME = "dsv41-stdlib-8k"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GROUPS = {"model": "model", "engine": "engine", "parallelism": "parallelism (docs/PARALLELISM.md)",
-          "multi-host": "multi-host", "server": "server", "tool calling": "tool calling", "security": "security"}
+          "speculative decoding": "speculative decoding", "multi-host": "multi-host", "server": "server",
+          "tool calling": "tool calling", "security": "security"}
 _S = ServerConfig()  # the server's defaults
 
 # The server's own flags (every engine flag is an EngineArgs field: serving/engine/config.py). Each group's
@@ -46,6 +48,12 @@ SERVER_FLAGS: tuple[tuple[str, Flag], ...] = (
     ("chat_template", Flag("a Jinja chat template file or string, or dsv41 (None: the tokenizer's, else the "
                            "built-in DeepSeek-V4.1 encoding)", group="model", default=None,
                            shown="tokenizer's, else built-in")),
+    ("per_request_spec_decode_metrics", Flag(
+        "with --speculative-config: each response reports its own acceptance figures (vLLM's top-level "
+        "metrics.speculative_decoding: mean acceptance length, acceptance rate and histogram, steps, drafted and "
+        "accepted tokens; detailed adds each step's accepted count), HTTP (one-choice responses; the final usage "
+        "chunk when streaming) and gRPC (Complete.speculative_decoding)", group="speculative decoding",
+        default=_S.per_request_spec_decode_metrics, choices=SPEC_METRICS_LEVELS)),
     ("nnodes", Flag("processes (hosts) of one engine, through jax.distributed", group="multi-host", default=1)),
     ("node_rank", Flag("this process's rank; 0 serves the APIs, the others replay its device calls (headless)",
                        group="multi-host", default=0)),

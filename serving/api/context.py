@@ -36,6 +36,7 @@ class ServerContext:
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys([]))
     protect_metrics: bool = False  # /metrics needs a key too
     limiter: KeyLimiter = field(default_factory=KeyLimiter)
+    spec_metrics: str = "none"  # --per-request-spec-decode-metrics: none | summary | detailed
     _grammars: GrammarCompiler | None = None
 
     # ------------------------------------------------------------------ access control

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving.api.context import ServerContext
 from serving.api.engine_client import EngineError, GenRequest, QueueFull, ServerDraining
+from serving.api.openai_format import spec_report
 from serving.api.protocol import ApiError, check_budget, check_prompt_ids, check_unicode
 from serving.api.security import ANONYMOUS, LimitedStream, LimitExceeded, Tenant
 from serving.engine.structured import StructuredOutputs
@@ -252,6 +253,9 @@ class GrpcApi:
                     if out.prompt_logprobs is not None:
                         for t, d in zip(gen.prompt_token_ids, out.prompt_logprobs):
                             done.prompt_logprobs.append(_position(t, d, n_plp))
+                    spec = spec_report(out.spec_decoding, self.ctx.spec_metrics)
+                    if spec is not None:
+                        done.speculative_decoding.CopyFrom(pb.SpecDecodingMetrics(**spec))
                     yield pb.GenerateResponse(request_id=rid, complete=done)
         except EngineError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))

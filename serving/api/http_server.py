@@ -308,8 +308,16 @@ class HttpApi:
             body = {"id": base, "object": "text_completion", "created": fmt.now(), "model": ctx.model_name,
                     "choices": [self._completion_choice(c, spell, **opts) for c in choices],
                     "usage": fmt.total_usage(choices, req.n)}
+            self._add_metrics(body, choices)
             return web.json_response(body, dumps=_dumps)
         return await self._stream_completions(request, req, stream, choices, by_id, spell, base, opts)
+
+    def _add_metrics(self, body: dict, choices: list[fmt.Choice]) -> dict:
+        """vLLM's per-request `metrics` (speculative decoding, --per-request-spec-decode-metrics) when it applies."""
+        m = fmt.response_metrics(choices, self.ctx.spec_metrics)
+        if m is not None:
+            body["metrics"] = m
+        return body
 
     def _completion_choice(self, c: fmt.Choice, spell, *, echo, want_plp, logprobs, plp_n, vllm_plp, token_ids):
         text = (c.prompt_text or "") + c.text if echo else c.text
@@ -376,8 +384,9 @@ class HttpApi:
                     ch["token_ids"] = out.new_token_ids
                 await resp.write(chunk(ch, c))
             if include_usage:
-                await resp.write(_sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                                       "choices": [], "usage": fmt.total_usage(choices, req.n)}))
+                await resp.write(_sse(self._add_metrics({"id": base, "object": "text_completion", "created": created,
+                                                         "model": model, "choices": [],
+                                                         "usage": fmt.total_usage(choices, req.n)}, choices)))
         except EngineError as e:
             error = ApiError(500, str(e))
         except ConnectionError:  # the client went away mid-stream
@@ -458,6 +467,7 @@ class HttpApi:
                                                                    req.prompt_logprobs)
             if req.return_token_ids:
                 body["prompt_token_ids"] = ids
+            self._add_metrics(body, choices)
             return web.json_response(body, dumps=_dumps)
         parsers = {c.request_id: dsml.ToolCallStream(tools) for c in choices} if tools else None
         return await self._stream_chat(request, req, stream, choices, by_id, spell, base, n_top, parsers, mode)
@@ -509,8 +519,9 @@ class HttpApi:
                     ch["stop_reason"] = out.stop_reason
                 await resp.write(chunk(ch, c))
             if include_usage:
-                await resp.write(_sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": [], "usage": fmt.total_usage(choices, req.n)}))
+                await resp.write(_sse(self._add_metrics({"id": base, "object": "chat.completion.chunk",
+                                                         "created": created, "model": model, "choices": [],
+                                                         "usage": fmt.total_usage(choices, req.n)}, choices)))
         except EngineError as e:
             error = ApiError(500, str(e))
         except ConnectionError:  # the client went away mid-stream

@@ -4,6 +4,9 @@
 - chat logprobs: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
 - vLLM's prompt_logprobs: [None, {"<id>": {logprob, rank, decoded_token}}, ...]
 - `return_tokens_as_token_ids` (vLLM) renders tokens as "token_id:<id>" so clients recover exact ids.
+- vLLM's per-request speculative-decoding figures (--per-request-spec-decode-metrics): a top-level
+  `metrics: {speculative_decoding: {...}}` on responses with one choice (vLLM leaves them out for n > 1), in the
+  final usage chunk when streaming.
 Logprobs of -inf / NaN are clamped to -9999.0 (vLLM does the same) so the JSON stays valid.
 """
 
@@ -123,6 +126,7 @@ class Choice:
         self.num_cached = 0
         self.num_output = 0
         self.finished = False
+        self.spec_decoding: dict | None = None  # the engine's SpecStats report (speculative decoding)
 
     def update(self, out: RequestOutput):
         self.text += out.new_text
@@ -138,6 +142,7 @@ class Choice:
             self.stop_reason = out.stop_reason
             if out.prompt_logprobs is not None:
                 self.prompt_logprobs = out.prompt_logprobs
+            self.spec_decoding = out.spec_decoding
 
 
 def total_usage(choices: list[Choice], n: int) -> dict:
@@ -145,6 +150,24 @@ def total_usage(choices: list[Choice], n: int) -> dict:
     firsts = [c for c in choices if c.index % n == 0]
     return usage(sum(c.num_prompt for c in firsts), sum(c.num_output for c in choices),
                  sum(c.num_cached for c in firsts))
+
+
+SPEC_METRICS_LEVELS = ("none", "summary", "detailed")
+
+
+def spec_report(report: dict | None, level: str) -> dict | None:
+    """A request's speculative-decoding figures at --per-request-spec-decode-metrics `level` (None: off)."""
+    if report is None or level == "none":
+        return None
+    return report if level == "detailed" else {k: v for k, v in report.items() if k != "per_step_accepted"}
+
+
+def response_metrics(choices: list[Choice], level: str) -> dict | None:
+    """vLLM's top-level `metrics` of a response (None: nothing to report)."""
+    if len(choices) != 1:
+        return None
+    rep = spec_report(choices[0].spec_decoding, level)
+    return None if rep is None else {"speculative_decoding": rep}
 
 
 def now() -> int:

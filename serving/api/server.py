@@ -56,6 +56,7 @@ class ServerConfig:
     ssl_ca_certs: str | None = None  # client certificates signed by this CA are required (mutual TLS)
     max_requests_per_key: int = 0  # open requests per API key (0: no cap)
     max_queued_tokens_per_key: int = 0  # queued prompt tokens per API key (0: no cap)
+    per_request_spec_decode_metrics: str = "none"  # none | summary | detailed (vLLM's flag)
 
     @property
     def tls(self) -> bool:
@@ -90,7 +91,8 @@ class ApiServer:
                                  ApiMetrics(name, engine.args.max_model_len), name, set(config.aliases) - {name},
                                  max_bytes, auto_tools=config.enable_auto_tool_choice,
                                  api_keys=ApiKeys(config.api_keys), protect_metrics=config.protect_metrics,
-                                 limiter=KeyLimiter(config.max_requests_per_key, config.max_queued_tokens_per_key))
+                                 limiter=KeyLimiter(config.max_requests_per_key, config.max_queued_tokens_per_key),
+                                 spec_metrics=config.per_request_spec_decode_metrics)
         self.http = HttpApi(self.ctx)
         self.grpc = GrpcApi(self.ctx)
         self.http_port: int | None = None

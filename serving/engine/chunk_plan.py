@@ -4,7 +4,10 @@ is sampled afterwards. The runner picks its compiled program from the plan and t
 values as given; nobody re-derives them (the CED rule: docs/ARCHITECTURE.md; the model side: dsv41_jax.model).
 
 Rules (W = the sliding window):
-- decode (one generated token): decoder on that row; clips as the request left them; sample.
+- decode (one generated token): decoder on that row; clips as the request left them; sample. With speculative
+  decoding the plan also carries `spec`, the most draft rows the request may verify after that row (its
+  budget and pages are reserved for them; the position commits only the row itself: accepted drafts are
+  committed when the verification comes back, Scheduler.accepted).
 - prompt logprobs: decoder and logits on every row (exact, no CED trimming); sample at the prompt's end.
 - SWA bounded replay (default): a non-final prompt chunk skips the decoder band (only layer 20's global-KV
   build runs); the final chunk runs the decoder on its last W rows with the decoder's window clipped at the
@@ -34,6 +37,7 @@ class ChunkPlan:
     sample: bool  # sample a token after this chunk
     all_logits: bool  # logits on every row (prompt logprobs), scored at the next prompt token
     is_decode: bool  # one generated token of a running request
+    spec: int = 0  # decode: draft rows the request may verify after its token (speculative decoding)
 
     @property
     def end(self) -> int:
@@ -56,14 +60,14 @@ def min_final_rows(bounded_replay: bool, window: int) -> int:
     return window if bounded_replay else 1
 
 
-def plan_chunk(req: Request, n: int, *, bounded_replay: bool, window: int) -> ChunkPlan:
+def plan_chunk(req: Request, n: int, *, bounded_replay: bool, window: int, spec: int = 0) -> ChunkPlan:
     s = req.sched
     pos0 = s.num_computed
     final = pos0 + n >= len(req.tokens)
     common = dict(req=req, pos0=pos0, n=n, enc_clip=s.enc_clip, write_from=s.write_from)
     if not req.in_prefill:
         return ChunkPlan(**common, decoder=DEC_ALL, dec_clip=s.dec_clip, sample=True, all_logits=False,
-                         is_decode=True)
+                         is_decode=True, spec=spec)
     if req.sampling.prompt_logprobs is not None:
         return ChunkPlan(**common, decoder=DEC_ALL, dec_clip=s.dec_clip, sample=final, all_logits=True,
                          is_decode=False)

@@ -27,6 +27,7 @@ from dsv41_jax.ops import (
 )
 from dsv41_jax.sharding import A2A_CHOICES, Parallel, check_layout
 from serving.engine.engram_host import OFFLOAD_THRESHOLD_GIB, EngramConfig
+from serving.engine.spec_decode import SpeculativeConfig
 
 KERNELS = ("auto", *KERNEL_CHOICES)  # --kernels
 EXECUTIONS = ("compiled", "eager")  # --execution
@@ -169,9 +170,15 @@ class EngineArgs:
         "before each step (serving/engine/engram_host.py; other keys: use_thp, dp_shared_memory, shm_dir, "
         f"keep_shared, gather_threads, prefetch, offload_threshold_gib). Default: host memory for tables over "
         f"{OFFLOAD_THRESHOLD_GIB:g} GiB (the full model's 189 GiB), the device otherwise", metavar="JSON"))
+    speculative_config: str | None = field(default=None, metadata=cli(
+        "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"method\": \"dspark\", "
+        "\"num_speculative_tokens\": 5}' (V4.1's draft); k in 1..5; each decode step verifies 1 + k rows per "
+        "request in one program (docs/SERVING.md, Speculative decoding; none: off)", group="speculative decoding"))
     force_mesh: bool = False  # run the sharded programs even on one device (a mesh of size 1; benchmarks)
     parallel: Parallel | None = None  # resolved from the flags above (do not set)
     engram: EngramConfig | None = None  # resolved from engram_config (do not set)
+    speculative: SpeculativeConfig | None = None  # resolved from speculative_config (do not set)
 
     def resolved(self, cfg) -> EngineArgs:
         """Fill derived defaults and validate against the model config."""
@@ -210,6 +217,18 @@ class EngineArgs:
             a.num_pages = 1 + 2 * a.max_num_seqs * pages_per_seq
         if a.num_pages < 1 + pages_per_seq:
             raise ValueError(f"num_pages {a.num_pages} cannot hold one max_model_len sequence ({pages_per_seq} pages)")
+        a.speculative = SpeculativeConfig.parse(a.speculative_config)
+        if a.speculative is not None and a.speculative.num_speculative_tokens + 1 > W:
+            raise ValueError(f"--speculative-config: 1 + num_speculative_tokens must be <= the sliding window ({W}): "
+                             "the verify rows' ring slots are saved and restored within one window")
+        if a.speculative is not None and a.speculative.method == "dspark":
+            from serving.engine.spec_draft import check_model
+
+            check_model(cfg, a.speculative.num_speculative_tokens)
+        if a.speculative is not None and a.engram is not None and a.engram.cpu_offload:
+            raise ValueError("--speculative-config with host Engram tables (--engram-config cpu_offload) is not "
+                             "supported yet: the verify rows' Engram rows would be the drafts' (keep the tables on "
+                             "the device)")
         if not a.snapshot_slots:  # one per conversation between turns: agentic lanes idle far longer than they run;
             a.snapshot_slots = 8 * a.max_num_seqs  # at 2 x seqs AgentX missed 11% of warm turns (snapshot_sim)
         return a

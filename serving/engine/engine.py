@@ -14,6 +14,12 @@ A step, pipelined so the host overlaps the device:
 `step()` therefore returns the outputs of the step dispatched by the previous call; `has_unfinished()` counts
 a dispatched step until it is collected.
 
+Speculative decoding (--speculative-config): in 2, the proposer drafts up to `plan.spec` tokens for each decode
+from the tokens collected in 1, and the decodes run as one `verify[B]` call (a plain `decode[B]` call when no
+request got a draft); in 1, each request appends its accepted drafts and the target's token, one at a time
+through the same stop / grammar / length checks (tokens after a stop are dropped), and the scheduler commits the
+accepted positions. Counters: vllm:spec_decode_* (metrics.py); per request: `RequestOutput.spec_decoding`.
+
 Seeds: a request without a seed gets one drawn from a generator seeded by `--seed`, in arrival order, so the
 same sequence of requests after a restart gives the same outputs (as vLLM).
 
@@ -59,7 +65,8 @@ from serving.engine.request import FINISHED, Request
 from serving.engine.runner import Runner
 from serving.engine.scheduler import Scheduler
 from serving.engine.snapshots import SnapshotIndex
-from serving.engine.step_io import DECODE, PREFILL, PendingOutputs, ProgramKey, StepOutputs
+from serving.engine.spec_decode import SpecStats, make_proposer
+from serving.engine.step_io import DECODE, PREFILL, VERIFY, PendingOutputs, ProgramKey, StepOutputs
 from serving.engine.types import RequestOutput, SamplingParams
 
 log = logging.getLogger("serving.engine")
@@ -123,6 +130,7 @@ class _Call:
     plans: list[ChunkPlan]
     pending: PendingOutputs | None
     rows: list[int] | None = None
+    drafts: list[int] | None = None  # verify calls: draft tokens of each plan
 
     def row(self, i: int) -> int:
         return i if self.rows is None else self.rows[i]
@@ -147,10 +155,12 @@ class EngineInspect:
 class Engine:
     def __init__(self, model="tiny", args: EngineArgs | None = None, *, params=None, tokenizer=None,
                  token_map=None, progress: bool = True, served_model_name: str | None = None, programs=None,
-                 weight_format: str | None = None, engram_tables=None, **engine_kw):
+                 weight_format: str | None = None, engram_tables=None, proposer=None, **engine_kw):
         """`programs(key) -> bool` compiles only some programs (benchmarks); the rest raise KeyError if used.
         `weight_format` goes to the checkpoint loader (None: as stored). `engram_tables`: host Engram tables
-        already built (checkpoints.host_tables.HostTables; with `params` that hold none)."""
+        already built (checkpoints.host_tables.HostTables; with `params` that hold none). `proposer`: a
+        spec_decode.Proposer that replaces the one --speculative-config names (tests; needs --speculative-config
+        for k)."""
         args = args or EngineArgs(**engine_kw)
         if args.compilation_cache_dir:  # before anything compiles, the weight init included
             use_compilation_cache(args.compilation_cache_dir, args.execution)
@@ -188,7 +198,11 @@ class Engine:
         if not eos and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = {tokenizer.eos_token_id}
         self.eos_ids = eos
-        self.metrics = Metrics(served_model_name or cfg.name)
+        spec = self.args.speculative
+        self.metrics = Metrics(served_model_name or cfg.name, spec_tokens=spec.num_speculative_tokens if spec else 0)
+        if proposer is not None and spec is None:
+            raise ValueError("a proposer needs --speculative-config (num_speculative_tokens)")
+        self.proposer = proposer if proposer is not None else make_proposer(spec)
         self.max_pages = pages_for(self.args.max_model_len)
         self.runner = Runner(cfg, params, self.args, self.max_pages, mesh)
         self.warmup_s = self.runner.compile_all(progress, keep=programs)
@@ -274,6 +288,8 @@ class Engine:
         req = Request(request_id, [int(t) for t in ids], len(ids), sp, session_id, cache_salt, callback=callback,
                       seed=seed, end_session=end_session and session_id is not None)
         req.out.grammar = grammar  # structured outputs: advanced in _append, masks the sampler in _fill_row
+        if self.args.speculative is not None:
+            req.out.spec = SpecStats(self.args.speculative.num_speculative_tokens)
         special = set(sp.stop_token_ids) | (self.eos_ids if not sp.ignore_eos else set())
         req.out.detok = IncrementalDetokenizer(self.tokenizer, skip_ids=special, stop=sp.stop,
                                                include_stop=sp.include_stop_str_in_output)
@@ -411,7 +427,12 @@ class Engine:
             B, rows = decode_rows(decode, self._rank_index)
             Bk = self.runner.bucket(DECODE, B)  # each rank's block of the call has the bucket's rows
             rows = [r // B * Bk + r % B for r in rows]
-            self._guarded(inflight, decode, lambda: self._run_decode(decode, Bk, rows), rows)
+            drafts = self._propose(decode)
+            if drafts is None:
+                self._guarded(inflight, decode, lambda: self._run_decode(decode, Bk, rows), rows)
+            else:
+                self._guarded(inflight, decode, lambda: self._run_decode(decode, Bk, rows, drafts), rows,
+                              [len(d) for d in drafts])
         chunks = [p for p in plans if not p.is_decode and p.req.status != FINISHED]
         if len(self.ranks) == 1:
             groups = [([p], [0]) for p in chunks]
@@ -421,9 +442,17 @@ class Engine:
             self._guarded(inflight, group, lambda g=group, r=rows: self._run_chunks(g, r), rows)
         return inflight
 
-    def _guarded(self, inflight: _InFlight, plans: list[ChunkPlan], fn, rows: list[int] | None = None):
+    def _propose(self, plans: list[ChunkPlan]) -> list[list[int]] | None:
+        """Drafts for a step's decodes (None: speculation off, or no request got a draft: a plain decode call)."""
+        if self.proposer is None or not any(p.spec for p in plans):
+            return None
+        drafts = [self.proposer.propose(p.req, p.spec)[:p.spec] if p.spec else [] for p in plans]
+        return drafts if any(drafts) else None
+
+    def _guarded(self, inflight: _InFlight, plans: list[ChunkPlan], fn, rows: list[int] | None = None,
+                 drafts: list[int] | None = None):
         try:
-            inflight.calls.append(_Call(plans, fn(), rows))
+            inflight.calls.append(_Call(plans, fn(), rows, drafts))
         except Exception as e:  # noqa: BLE001 - isolate the failure to these requests
             self._fail([p.req for p in plans], e)
 
@@ -477,11 +506,31 @@ class Engine:
                 if p.sample:
                     if req.sampling.max_tokens == 0:  # prompt logprobs only
                         self._finish(req, "length")
+                    elif out.n_accepted is not None:
+                        self._accept(req, out, call.row(i), call.drafts[i])
                     else:
-                        self._append(req, out, call.row(i))
+                        r = call.row(i)
+                        self._append(req, out.tokens[r], out.token_logprob[r], out.top_ids[r], out.top_logprobs[r])
+                    if out.drafts is not None:  # the device draft's next proposal (DSpark)
+                        req.drafts = out.drafts[call.row(i)].tolist()
             if self.engram is not None:  # the next decode rows' Engram rows, gathered while this step goes on
                 self.engram.prefetch_decode([p.req for p in call.plans if p.sample and p.req.status != FINISHED])
         return touched
+
+    def _accept(self, req: Request, out: StepOutputs, row: int, n_draft: int):
+        """A verified decode: commit the accepted positions, count, then append the emitted tokens in order."""
+        a = int(out.n_accepted[row])
+        self._rank_of(req).scheduler.accepted(req, a)
+        if n_draft:
+            self.metrics.spec_observe(n_draft, a)
+            req.out.spec.observe(n_draft, a)
+        for j in range(a + 1):
+            if req.status == FINISHED:  # a stop (or the length) inside the accepted tokens: the rest is dropped
+                break
+            self._append(req, out.tokens[row, j], out.token_logprob[row, j], out.top_ids[row, j],
+                         out.top_logprobs[row, j])
+        if req.status != FINISHED:
+            self._publish(req)  # the pages the accepted tokens completed (their block hashes now exist)
 
     def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
         if self.hasher is None:
@@ -493,16 +542,18 @@ class Engine:
             hist[0, h - len(prev):] = self.hasher.compress(np.asarray(prev))
         return self.hasher.hash_ids(toks, hist)
 
-    def _fill_row(self, inp, i: int, p: ChunkPlan):
-        """Row i of a program's inputs from a chunk plan."""
+    def _fill_row(self, inp, i: int, p: ChunkPlan, drafts: list[int] | None = None):
+        """Row i of a program's inputs from a chunk plan (verify rows: the drafts after the plan's token)."""
         req, c, sm = p.req, inp.chunk, inp.sampling
         inp.slots[i] = req.sched.slot
         pages = req.sched.pages
         inp.page_table[i, :len(pages)] = pages
         c.tokens[i, :p.n] = req.tokens[p.pos0:p.end]
-        if c.engram_ids is not None:
+        if drafts:
+            c.tokens[i, p.n:p.n + len(drafts)] = drafts
+        if c.engram_ids is not None:  # the drafts' rows hashed as the continuation they propose
             c.engram_ids[i] = self._hash_ids(req, p.pos0, c.tokens[i:i + 1])[0]
-        c.pos0[i], c.n_valid[i] = p.pos0, p.n
+        c.pos0[i], c.n_valid[i] = p.pos0, p.n + len(drafts or ())
         c.enc_clip[i], c.dec_clip[i], c.write_from[i] = p.enc_clip, p.dec_clip, p.write_from
         sp = req.sampling
         sm.temperature[i], sm.top_k[i], sm.top_p[i], sm.min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
@@ -539,11 +590,15 @@ class Engine:
             return inp
         return self.engram.inputs(inp, [(row, p.req, p.pos0, p.n) for row, p in zip(rows, plans)])
 
-    def _run_decode(self, plans: list[ChunkPlan], bucket: int, rows: list[int]) -> PendingOutputs | None:
-        key = ProgramKey(DECODE, bucket)
+    def _run_decode(self, plans: list[ChunkPlan], bucket: int, rows: list[int],
+                    drafts: list[list[int]] | None = None) -> PendingOutputs | None:
+        if drafts is None:
+            key = ProgramKey(DECODE, bucket)
+        else:
+            key = ProgramKey(VERIFY, bucket, spec=self.args.speculative.num_speculative_tokens)
         inp = self.runner.inputs(key)
-        for row, p in zip(rows, plans):
-            self._fill_row(inp, row, p)
+        for j, (row, p) in enumerate(zip(rows, plans)):
+            self._fill_row(inp, row, p, None if drafts is None else drafts[j])
         pending = self.runner.run(key, self._engram_rows(inp, rows, plans))
         for p in plans:
             self._advance(p)
@@ -575,8 +630,9 @@ class Engine:
             if slot is not None:
                 self.runner.snapshot(True, s.slot, slot, rank.index)
 
-    def _append(self, req: Request, out: StepOutputs, i: int):
-        t = int(out.tokens[i])
+    def _append(self, req: Request, t, t_lp, top_ids, top_lps):
+        """Append one sampled token (with its logprob and the top-n of its row); check stops and lengths."""
+        t = int(t)
         now = time.perf_counter()
         o = req.out
         req.tokens.append(t)
@@ -584,9 +640,9 @@ class Engine:
         req.counter += 1
         self._rank_of(req).scheduler.token_appended(req)
         if req.sampling.logprobs is not None:
-            d = {t: float(out.token_logprob[i])}
+            d = {t: float(t_lp)}
             for j in range(req.sampling.logprobs):
-                d.setdefault(int(out.top_ids[i, j]), float(out.top_logprobs[i, j]))
+                d.setdefault(int(top_ids[j]), float(top_lps[j]))
             o.out_logprobs.append(d)
         if o.first_token_t is None:
             o.first_token_t = now
@@ -649,7 +705,8 @@ class Engine:
         out = RequestOutput(req.request_id, new_ids, new_text, lps, finished, o.finish_reason if finished else None,
                             req.n_prompt, req.sched.num_cached, len(o.out_ids),
                             prompt_logprobs=o.prompt_lps if finished and req.sampling.prompt_logprobs is not None
-                            else None, error=o.error, stop_reason=o.stop_reason if finished else None)
+                            else None, error=o.error, stop_reason=o.stop_reason if finished else None,
+                            spec_decoding=o.spec.report(detailed=True) if finished and o.spec is not None else None)
         if finished:
             self.requests.pop(req.request_id, None)
             self._rank.pop(req.request_id, None)

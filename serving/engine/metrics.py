@@ -3,6 +3,11 @@
 `vllm:request_success_total` carries vLLM's `finished_reason` label (stop | length | abort): every finished
 request is counted once under its reason. The snapshot's `requests_finished` counter keeps counting the
 non-aborted ones (aborts are also in `dsv41:request_aborted_total`).
+
+Speculative decoding (rendered only when it is on, as vLLM registers them): `vllm:spec_decode_num_drafts_total`
+(verifications that carried at least one draft token), `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`
+and `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}` (verifications whose draft i, counted from
+0, was accepted). Mean acceptance length = 1 + accepted / drafts; per-position rate = per_pos[i] / drafts.
 """
 
 from __future__ import annotations
@@ -73,10 +78,20 @@ class Metrics:
 
     FINISHED_REASONS = ("stop", "length", "abort")
 
-    def __init__(self, model_name: str = "dsv41"):
+    SPEC_COUNTERS = {
+        "spec_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+        "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+        "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    }
+    SPEC_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.")
+
+    def __init__(self, model_name: str = "dsv41", spec_tokens: int = 0):
         self.model_name = model_name
+        self.spec_tokens = spec_tokens  # num_speculative_tokens (0: speculative decoding off)
+        self.spec_per_pos = [0] * spec_tokens
         self.lock = threading.Lock()
         self.counters = {k: 0 for k in self.COUNTERS}
+        self.counters.update({k: 0 for k in self.SPEC_COUNTERS} if spec_tokens else {})
         self.counters["requests_finished"] = 0  # non-aborted (rendered per reason as vllm:request_success_total)
         self.finished_by_reason = {r: 0 for r in self.FINISHED_REASONS}
         self.hist = {k: Histogram(*v[2:]) for k, v in self.HISTOGRAMS.items()}
@@ -85,6 +100,15 @@ class Metrics:
     def inc(self, key: str, v: float = 1):
         with self.lock:
             self.counters[key] += v
+
+    def spec_observe(self, n_draft: int, n_accepted: int):
+        """One verification of `n_draft` (>= 1) draft tokens that accepted the first `n_accepted`."""
+        with self.lock:
+            self.counters["spec_drafts"] += 1
+            self.counters["spec_draft_tokens"] += n_draft
+            self.counters["spec_accepted_tokens"] += n_accepted
+            for i in range(n_accepted):
+                self.spec_per_pos[i] += 1
 
     def finished(self, reason: str):
         """A request finished (stop | length | abort): vllm:request_success_total{finished_reason}."""
@@ -102,16 +126,20 @@ class Metrics:
     def snapshot(self) -> dict:
         with self.lock:
             return {"counters": dict(self.counters), "gauges": dict(self.gauges),
-                    "finished_by_reason": dict(self.finished_by_reason),
+                    "spec_per_pos": list(self.spec_per_pos), "finished_by_reason": dict(self.finished_by_reason),
                     "histograms": {k: {"count": h.n, "sum": h.sum} for k, h in self.hist.items()}}
 
     def prometheus(self) -> str:
         lab = f'model_name="{self.model_name}"'
         out = []
         with self.lock:
-            for k, (name, doc) in self.COUNTERS.items():
+            for k, (name, doc) in {**self.COUNTERS, **(self.SPEC_COUNTERS if self.spec_tokens else {})}.items():
                 out += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
                         f"{name}_total{{{lab}}} {float(self.counters[k])}"]
+            if self.spec_tokens:
+                name, doc = self.SPEC_PER_POS
+                out += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"]
+                out += [f'{name}_total{{{lab},position="{i}"}} {float(v)}' for i, v in enumerate(self.spec_per_pos)]
             name = "vllm:request_success"
             out += [f"# HELP {name}_total Finished requests by finish reason", f"# TYPE {name}_total counter"]
             out += [f'{name}_total{{{lab},finished_reason="{r}"}} {float(v)}'

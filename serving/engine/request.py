@@ -2,7 +2,7 @@
 
 - `Request` itself: identity and inputs that never change after admission to the engine (id, prompt, sampling
   parameters, session, salt, the resolved sampling seed), plus the token list (prompt + generated, appended by
-  the output path) and the per-request RNG counter.
+  the output path), the per-request RNG counter and, with the DSpark draft, its latest proposal (`drafts`).
 - `SchedState` (`req.sched`): what the scheduler owns: status, progress, pages, ring slot, prefix-cache and
   replay bookkeeping. Only the scheduler writes it (the engine reports a dispatched chunk, a published
   page or an appended token through `Scheduler.advance` / `publish` / `token_appended`).
@@ -55,6 +55,7 @@ class OutputState:
     last_token_t: float | None = None
     prompt_lps: list = field(default_factory=list)  # prompt logprobs (echo), first entry None
     error: str | None = None  # set when the engine failed while running this request
+    spec: object | None = None  # speculative decoding: the request's SpecStats (serving.engine.spec_decode)
 
     @property
     def text(self) -> str:
@@ -73,6 +74,7 @@ class Request:
     callback: object = None
     seed: int = 0  # the sampling seed (the request's, or one drawn from the engine's --seed stream)
     counter: int = 0  # sampling step counter (per-request RNG stream)
+    drafts: list[int] = field(default_factory=list)  # DSpark: the device draft's proposal after tokens[-1]
     end_session: bool = False  # the client's end-of-session hint: the session's retention ends with this request
     sched: SchedState = field(default_factory=SchedState)
     out: OutputState = field(default_factory=OutputState)

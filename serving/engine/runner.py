@@ -11,8 +11,25 @@ Programs (`ProgramKey`; all compiled at start-up behind a progress bar; afterwar
   prefill[T]  one request's chunk of T (bucketed) tokens, decoder rows none / window / all as the chunk plan
               says, sampling on final chunks, or logits on every row (prompt logprobs)
   decode[B]   one token for each of B (bucketed) running requests: the whole 40-layer step + sampling
+  verify[B]   speculative decoding (--speculative-config, k drafts): B requests x (1 + k) rows (the last sampled
+              token and the drafts; a request with fewer drafts has fewer valid rows), the decoder band on every
+              row, logits on every row, the verification on device (spec_verify.py) and the rollback below
   snap_save / snap_load  copy a request's SWA rings + compressor state to / from a snapshot slot (exact mode)
 Every chunk/decode program takes (params, pools, StepInputs) and returns (pools, packed outputs): see step_io.
+
+Rollback in verify[B] (the state after the call equals plain decoding's after the accepted tokens):
+- SWA rings: the ring entries the 1 + k rows overwrite (slots (pos0 + i) % W, all layers) are read before the
+  step; after the verification the slots of the rejected rows get their old bytes back (a rejected row at
+  position p destroyed position p - W, which the next steps still read when fewer than k - 1 drafts pass);
+- compressor carry: the step records each ratio-2 source's chunk rows, and the carry is recomputed at the end of
+  the accepted rows (attention.carry_at), not at the end of the chunk;
+- global KV (FP4 latents, index keys): rejected rows' entries stay in the request's own pages but are never read:
+  a query at position t sees only entries of complete groups before t, and the step that later covers such a
+  position rewrites its entries (from the accepted token, with the restored carry) before any query reads them;
+  pages are published to the prefix cache only below the accepted positions (Scheduler.accepted).
+Requires 1 + k <= W (EngineArgs.resolved checks it). With the DSpark draft (method dspark) every program with
+decoder rows also writes the draft's context rings and every sampling program drafts the next k tokens
+(serving/engine/spec_draft.py): only accepted rows enter the rings.
 
 Invariant: after a program call the runner holds valid pools, or `pools_lost()` is true (the call failed after
 the pools were donated); the engine then calls `reset_pools()` and recomputes what was lost.
@@ -41,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from dsv41_jax import ops
+from dsv41_jax.attention import carry_at
 from dsv41_jax.engram_rows import drop_tables, row_format
 from dsv41_jax.kv_cache import CompressorCarry, KVState, PagedGlobal, PagedKV, PageLayout
 from dsv41_jax.kv_format import swa_entry_bytes
@@ -52,11 +70,14 @@ from serving.engine import multihost
 from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW, decoder_rows
 from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
 from serving.engine.sampler import sample
+from serving.engine.spec_draft import POOL_AXIS, DeviceDraft
+from serving.engine.spec_verify import verify
 from serving.engine.step_io import (
     DECODE,
     PREFILL,
     SNAP_LOAD,
     SNAP_SAVE,
+    VERIFY,
     PendingOutputs,
     ProgramKey,
     StepInputs,
@@ -74,7 +95,19 @@ def _check_pallas_config(cfg):
 
 def _pool_axis(name: str) -> int:
     """The axis of a pool that holds the data-parallel ranks' blocks (pages / slots / snapshot slots)."""
-    return 0 if name in ("pages", "moe_dropped") else 1
+    return 0 if name in ("pages", "moe_dropped") else POOL_AXIS.get(name, 1)
+
+
+def restore_ring_slots(pool, slots, ring, saved, rejected, W: int):
+    """Verify rollback of the SWA rings: the slots `ring` [B, T] of the rejected rows get back the bytes `saved`
+    [L, B, T, e] they held before the step (pool [L, R, W, e], rows `slots` [B])."""
+    return pool.at[:, slots[:, None], jnp.where(rejected, ring, W)].set(saved, mode="drop")
+
+
+def accepted_carry(comp: CompressorCarry, pos0, end):
+    """Verify rollback of the ratio-2 compressors: the carry after the accepted rows (positions < end), from the
+    chunk rows the step recorded; ([n_r2, B, 2, d] kv, score)."""
+    return jax.vmap(lambda ek, es: carry_at(ek, es, pos0, end, 2))(comp.rows_kv, comp.rows_score)
 
 
 class Runner:
@@ -98,6 +131,11 @@ class Runner:
         # host Engram tables (serving/engine/engram_host.py): no table among the parameters; programs take rows
         host_eng = getattr(args, "engram", None) is not None and args.engram.cpu_offload
         self.engram_row_bytes = row_format(cfg).row_bytes if host_eng else 0
+        spec = getattr(args, "speculative", None)
+        self.draft = None  # DSpark: the draft's pools and program part (serving.engine.spec_draft)
+        if spec is not None and spec.method == "dspark":
+            self.draft = DeviceDraft(cfg, spec.num_speculative_tokens, spec.draft_sample_method == "probabilistic",
+                                     self.ex)
         if mesh is not None:
             self.param_specs = param_partition_specs(cfg, self.par, mesh)
             if host_eng:
@@ -136,6 +174,8 @@ class Runner:
                 shapes["snap_comp_score"] = ((self.n_r2, N * n, 2, d), f32, -jnp.inf)
         if self.par is not None and self.par.ep:
             shapes["moe_dropped"] = ((N,), jnp.int32, 0)
+        if self.draft is not None:
+            shapes.update(self.draft.pool_shapes(N * (self.S + 1)))
         return shapes
 
     def pool_specs(self) -> dict:
@@ -242,14 +282,22 @@ class Runner:
         """One rank's program (the whole program without DP): rank-local pools, slots and page ids."""
         cfg = self.cfg
         slots = inp.slots
+        T = key.tokens
         comp = (CompressorCarry(pools["comp_kv"][:, slots], pools["comp_score"][:, slots]) if self.n_r2 else None)
+        if key.verify:
+            if comp is not None:  # record the chunk's compressor rows (the carry after the accepted rows)
+                rows = jnp.zeros((self.n_r2, slots.shape[0], T + 1, cfg.head_dim), jnp.float32)
+                comp = CompressorCarry(comp.kv, comp.score, rows, rows)
+            ring = jnp.mod(inp.chunk.pos0[:, None] + jnp.arange(T, dtype=jnp.int32)[None], cfg.window_size)
+            saved = pools["swa"][:, slots[:, None], ring]  # [L, B, T, e]: what the rows overwrite
         state = KVState(self.swa_layout.load(cfg, pools["swa"], slots), PagedGlobal(pools["pages"], inp.page_table),
                         comp)
-        T = key.tokens
         n_dec = decoder_rows(key.decoder, T, cfg.window_size)
-        n_logits = T if key.all_logits else 1
-        logits, state, _, aux = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec,
-                                          n_logits=n_logits, ex=self.ex)[:4]
+        n_logits = T if key.all_logits or key.verify else 1
+        draft = self.draft is not None and n_dec > 0  # the draft reads the decoder rows' features
+        res = step_impl(cfg, params, state, inp.chunk, fresh=False, n_dec=n_dec, n_logits=n_logits, ex=self.ex,
+                        **({"features": True} if draft else {}))
+        logits, state, aux, feats = res[0], res[1], res[3], res[4] if draft else None
         out = dict(pools, pages=state.glob.pages, swa=state.swa.store(cfg, pools["swa"], slots))
         if self.n_r2:
             out["comp_kv"] = pools["comp_kv"].at[:, slots].set(state.comp.kv)
@@ -257,7 +305,11 @@ class Runner:
         if "moe_dropped" in pools:
             out["moe_dropped"] = pools["moe_dropped"] + aux.moe_dropped
         if not key.sample:
+            if draft:
+                out, _ = self.draft.step(params, pools, out, slots, feats, feats.valid)
             return out, None
+        if key.verify:
+            return self._verify(params, pools, out, state, logits, feats, inp, ring, saved, T)
         s = inp.sampling
         if n_logits == 1:
             last = logits[:, 0]
@@ -271,7 +323,40 @@ class Runner:
             res.prompt_next_logprob = jnp.take_along_axis(lp, s.next_ids[..., None], axis=-1)[..., 0]
             res.prompt_top_logprobs, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
             res.prompt_top_ids = ids.astype(jnp.int32)
-        return out, pack_outputs(res, T, key.all_logits)
+        if draft:  # the draft continues after the sampled token, at the position after the chunk
+            c = inp.chunk
+            out, res.drafts = self.draft.step(params, pools, out, slots, feats, feats.valid, tok, c.pos0 + c.n_valid,
+                                              s, s.counter + 1)
+        return out, pack_outputs(res, T, key.all_logits, drafts=self.draft_tokens(key))
+
+    def draft_tokens(self, key: ProgramKey) -> int:
+        """Draft tokens a program returns per row (the DSpark draft's, in sampling programs with decoder rows)."""
+        has_dec = key.kind != PREFILL or key.decoder != DEC_NONE or key.all_logits
+        return self.draft.k if self.draft is not None and key.sample and has_dec else 0
+
+    def _verify(self, params, pools, out, state, logits, feats, inp: StepInputs, ring, saved, T: int):
+        """verify[B]'s tail: accept / resample (spec_verify.verify), then roll back what the rejected rows wrote;
+        with the DSpark draft, its context from the accepted rows and the next drafts."""
+        cfg, s, c, slots = self.cfg, inp.sampling, inp.chunk, inp.slots
+        n_draft = jnp.maximum(c.n_valid - 1, 0)
+        q = None if self.draft is None else self.draft.probs(pools, slots)
+        toks, n_acc, tok_lp, top_ids, top_lp = verify(logits, c.tokens[:, 1:], n_draft, s.temperature, s.top_k,
+                                                      s.top_p, s.min_p, s.seed, s.counter, s.allowed,
+                                                      None if q is None else q[:, :T - 1])
+        rows = jnp.arange(T)[None]
+        rejected = (rows > n_acc[:, None]) & (rows < c.n_valid[:, None])
+        out["swa"] = restore_ring_slots(out["swa"], slots, ring, saved, rejected, cfg.window_size)
+        if self.n_r2:
+            kv, sc = accepted_carry(state.comp, c.pos0, c.pos0 + n_acc + 1)
+            out["comp_kv"] = out["comp_kv"].at[:, slots].set(kv)
+            out["comp_score"] = out["comp_score"].at[:, slots].set(sc)
+        res = StepOutputs(toks, tok_lp, top_ids, top_lp, n_accepted=n_acc)
+        if feats is not None:  # rows 0..a are final: their features enter the rings; the last token anchors
+            last = jnp.take_along_axis(toks, n_acc[:, None], axis=1)[:, 0]
+            acc = feats.valid & (rows <= n_acc[:, None])
+            out, res.drafts = self.draft.step(params, pools, out, slots, feats, acc, last, c.pos0 + n_acc + 1, s,
+                                              s.counter + n_acc + 1)
+        return out, pack_outputs(res, T, False, verify=True, drafts=self.draft_tokens(ProgramKey(VERIFY, 1)))
 
     def _snap(self, pools, src, dst, *, save: bool):
         if self.dp:  # src / dst: one slot per rank [N]
@@ -304,6 +389,9 @@ class Runner:
             if a.enable_prompt_logprobs:
                 keys.append(ProgramKey(PREFILL, T, DEC_ALL, all_logits=True))
         keys += [ProgramKey(DECODE, B) for B in a.decode_buckets]
+        if a.speculative is not None:
+            keys += [ProgramKey(VERIFY, B, DEC_ALL, spec=a.speculative.num_speculative_tokens)
+                     for B in a.decode_buckets]
         if not a.swa_bounded_replay:
             keys += [ProgramKey(SNAP_SAVE, 1), ProgramKey(SNAP_LOAD, 1)]
         return keys
@@ -394,7 +482,8 @@ class Runner:
                 self.pools, packed = fn(self.params, self.pools, inp)
         else:
             self.pools, packed = fn(self.params, self.pools, inp)
-        return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits)
+        return None if packed is None else PendingOutputs(packed, key.tokens, key.all_logits, key.verify,
+                                                          self.draft_tokens(key))
 
     def _slot_arg(self):
         if not self.dp:
@@ -459,7 +548,7 @@ class Runner:
         self.pools = dict(self.pools, pages=self._page_write(self.pools["pages"], rows, data))
 
     def bucket(self, kind: str, n: int) -> int:
-        bs = self.args.prefill_buckets if kind == PREFILL else self.args.decode_buckets
+        bs = self.args.prefill_buckets if kind == PREFILL else self.args.decode_buckets  # decode and verify
         for b in bs:
             if b >= n:
                 return b

@@ -19,6 +19,11 @@ the plan says everything the runner and the model need (serving.engine.chunk_pla
 Invariants (violations raise RuntimeError): the token budget (`max_num_batched_tokens`) is never exceeded; a
 CED final chunk carries at least min(W, rest) tokens so the decoder sees the last window; a running decode is
 never skipped for a prefill (decodes are scheduled first); at most `max_num_seqs` requests run.
+
+Speculative decoding (--speculative-config): a decode also reserves budget and pages for `spec_tokens(req)` draft
+rows (k, fewer near max_tokens / max_model_len, none for structured outputs, whose grammar masks only the next
+token); its position advances by one at dispatch, and by the accepted drafts when the verification comes back
+(`accepted`): pages are published only below accepted positions.
 """
 
 from __future__ import annotations
@@ -77,8 +82,18 @@ class Scheduler:
                     break
         return max(n, 0)
 
-    def _plan(self, req: Request, n: int) -> ChunkPlan:
-        return plan_chunk(req, n, bounded_replay=self.args.swa_bounded_replay, window=self.W)
+    def _plan(self, req: Request, n: int, spec: int = 0) -> ChunkPlan:
+        return plan_chunk(req, n, bounded_replay=self.args.swa_bounded_replay, window=self.W, spec=spec)
+
+    def spec_tokens(self, req: Request) -> int:
+        """Draft rows a decode of `req` may verify: k, capped so that every emitted token fits max_tokens and
+        max_model_len (a step emits at most 1 + drafts); 0 without speculation or for structured outputs."""
+        sp = self.args.speculative
+        if sp is None or req.sampling.structured is not None:
+            return 0
+        generated = len(req.tokens) - req.n_prompt
+        room = min(req.sampling.max_tokens - generated, self.args.max_model_len - len(req.tokens))
+        return max(0, min(sp.num_speculative_tokens, room - 1))
 
     def release(self, req: Request, now: float | None = None):
         now = time.perf_counter() if now is None else now
@@ -180,17 +195,19 @@ class Scheduler:
                 n = self._chunk(req, budget, thr)
                 if n == 0:
                     continue
+                spec = 0
             else:
                 n = 1
-            while not self._grow(req, req.sched.num_computed + n, now):
+                spec = min(self.spec_tokens(req), budget - 1)
+            while not self._grow(req, req.sched.num_computed + n + spec, now):
                 victim = self.running[-1]
                 self.preempt(victim, now)
                 if victim is req:
                     break
             if req.status != RUNNING:
                 continue
-            out.append(self._plan(req, n))
-            budget -= n
+            out.append(self._plan(req, n, spec))
+            budget -= n + spec
         if not self.preempted_this_step and not defer:
             while self.waiting and budget > 0 and len(self.running) < self.args.max_num_seqs and self.free_slots:
                 req = self.waiting[0]
@@ -205,7 +222,7 @@ class Scheduler:
                 budget -= n
         if any(not p.is_decode for p in out):
             self.last_prefill_step = self.step_count
-        if sum(p.n for p in out) > self.args.max_num_batched_tokens:
+        if sum(p.n + p.spec for p in out) > self.args.max_num_batched_tokens:
             raise RuntimeError("scheduler invariant violated: the step exceeds max_num_batched_tokens")
         return out
 
@@ -220,6 +237,10 @@ class Scheduler:
         s = plan.req.sched
         s.num_computed = plan.end
         s.dec_clip = plan.dec_clip_after(self.W)
+
+    def accepted(self, req: Request, n: int):
+        """A verification accepted `n` drafts after the dispatched decode row: their positions are computed."""
+        req.sched.num_computed += n
 
     def publish(self, req: Request):
         """Register the request's newly completed pages in the prefix cache (once each)."""

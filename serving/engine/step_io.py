@@ -8,6 +8,10 @@ so the two cannot disagree on fields or order. Results are a `StepOutputs` read 
 On the device all outputs of a program are packed into ONE int32 array [B, width] (floats bit-cast), so a
 step costs one device-to-host transfer, started asynchronously right after dispatch (`PendingOutputs`) and
 read when the engine needs it.
+
+Speculative decoding adds `verify[B]` programs (kind VERIFY, `spec` = k drafts): B requests x (1 + k) rows, the
+decoder band on every row, and the verification (serving/engine/spec_verify.py) on device. Their `StepOutputs`
+carry a row axis: tokens / token_logprob [B, 1+k], top_* [B, 1+k, n], plus `n_accepted` [B].
 """
 
 from __future__ import annotations
@@ -22,28 +26,35 @@ import numpy as np
 from dsv41_jax.model import ChunkInputs
 from serving.engine.types import MAX_LOGPROBS
 
-PREFILL, DECODE, SNAP_SAVE, SNAP_LOAD = "prefill", "decode", "snap_save", "snap_load"
+PREFILL, DECODE, VERIFY, SNAP_SAVE, SNAP_LOAD = "prefill", "decode", "verify", "snap_save", "snap_load"
 
 
 @dataclass(frozen=True, order=True)
 class ProgramKey:
-    kind: str  # PREFILL | DECODE | SNAP_SAVE | SNAP_LOAD
-    size: int  # prefill: tokens per chunk (bucket); decode: batch (bucket); snapshots: 1
+    kind: str  # PREFILL | DECODE | VERIFY | SNAP_SAVE | SNAP_LOAD
+    size: int  # prefill: tokens per chunk (bucket); decode / verify: batch (bucket); snapshots: 1
     decoder: str = "all"  # chunk_plan.DEC_NONE | DEC_WINDOW | DEC_ALL
     sample: bool = True
     all_logits: bool = False  # logits on every row: prompt logprobs
+    spec: int = 0  # verify: draft rows per request (num_speculative_tokens)
 
     @property
     def batch(self) -> int:
-        return self.size if self.kind == DECODE else 1
+        return self.size if self.kind in (DECODE, VERIFY) else 1
 
     @property
     def tokens(self) -> int:
-        return 1 if self.kind == DECODE else self.size
+        return {DECODE: 1, VERIFY: 1 + self.spec}.get(self.kind, self.size)
+
+    @property
+    def verify(self) -> bool:
+        return self.kind == VERIFY
 
     def __str__(self) -> str:
         if self.kind in (SNAP_SAVE, SNAP_LOAD):
             return self.kind
+        if self.kind == VERIFY:
+            return f"{self.kind}[{self.size}]:k{self.spec}"
         extra = ("+sample" if self.sample else "") + ("+all_logits" if self.all_logits else "")
         return f"{self.kind}[{self.size}]:{self.decoder}{extra}"
 
@@ -107,42 +118,50 @@ def mask_words(vocab: int) -> int:
 
 @dataclass
 class StepOutputs:
-    """What a sampling program returns, per row (numpy once on the host)."""
-    tokens: np.ndarray  # [B] int32 sampled token
-    token_logprob: np.ndarray  # [B] f32 its logprob (raw distribution)
-    top_ids: np.ndarray  # [B, MAX_LOGPROBS] int32
-    top_logprobs: np.ndarray  # [B, MAX_LOGPROBS] f32
+    """What a sampling program returns, per row (numpy once on the host). Verify programs: a row axis R = 1 + k
+    after B on the first four fields, and `n_accepted`."""
+    tokens: np.ndarray  # [B] int32 sampled token (verify: [B, R] the emitted tokens, -1 past the last)
+    token_logprob: np.ndarray  # [B] f32 its logprob (raw distribution) (verify: [B, R])
+    top_ids: np.ndarray  # [B, MAX_LOGPROBS] int32 (verify: [B, R, MAX_LOGPROBS])
+    top_logprobs: np.ndarray  # [B, MAX_LOGPROBS] f32 (verify: [B, R, MAX_LOGPROBS])
     prompt_next_logprob: np.ndarray | None = None  # [B, T] f32 logprob of the next prompt token at every row
     prompt_top_ids: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] int32
     prompt_top_logprobs: np.ndarray | None = None  # [B, T, MAX_LOGPROBS] f32
+    n_accepted: np.ndarray | None = None  # verify: [B] int32 drafts accepted (tokens[:, :n_accepted + 1] emitted)
+    drafts: np.ndarray | None = None  # DSpark: [B, k] int32 the draft's next proposal (verified by the next step)
 
 
-def _layout(B: int, T: int, all_logits: bool):
+def _layout(B: int, T: int, all_logits: bool, verify: bool = False, drafts: int = 0):
     """(field, per-row shape, dtype) in packing order."""
     n = MAX_LOGPROBS
+    extra = [("drafts", (drafts,), np.int32)] if drafts else []
+    if verify:
+        return [("tokens", (T,), np.int32), ("token_logprob", (T,), np.float32), ("top_ids", (T, n), np.int32),
+                ("top_logprobs", (T, n), np.float32), ("n_accepted", (), np.int32), *extra]
     out = [("tokens", (), np.int32), ("token_logprob", (), np.float32), ("top_ids", (n,), np.int32),
-           ("top_logprobs", (n,), np.float32)]
+           ("top_logprobs", (n,), np.float32), *extra]
     if all_logits:
         out += [("prompt_next_logprob", (T,), np.float32), ("prompt_top_ids", (T, n), np.int32),
                 ("prompt_top_logprobs", (T, n), np.float32)]
     return out
 
 
-def pack_outputs(out: StepOutputs, T: int, all_logits: bool) -> jax.Array:
+def pack_outputs(out: StepOutputs, T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> jax.Array:
     """Device side: every field of `out` (jax arrays) into one int32 [B, width] array."""
     parts = []
-    for name, _, dt in _layout(out.tokens.shape[0], T, all_logits):
+    for name, _, dt in _layout(out.tokens.shape[0], T, all_logits, verify, drafts):
         x = getattr(out, name)
         x = x.astype(jnp.int32) if dt == np.int32 else jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
         parts.append(x.reshape(x.shape[0], -1))
     return jnp.concatenate(parts, axis=1)
 
 
-def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool) -> StepOutputs:
+def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool, verify: bool = False,
+                   drafts: int = 0) -> StepOutputs:
     """Host side: the inverse of `pack_outputs` on the transferred numpy array."""
     B = packed.shape[0]
     vals, off = {}, 0
-    for name, shape, dt in _layout(B, T, all_logits):
+    for name, shape, dt in _layout(B, T, all_logits, verify, drafts):
         w = int(np.prod(shape)) if shape else 1
         col = packed[:, off:off + w]
         off += w
@@ -155,17 +174,17 @@ def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool) -> StepOutputs:
 class PendingOutputs:
     """A program's packed outputs on their way to the host (the copy starts at construction)."""
 
-    def __init__(self, packed: jax.Array, T: int, all_logits: bool):
+    def __init__(self, packed: jax.Array, T: int, all_logits: bool, verify: bool = False, drafts: int = 0):
         self.packed = packed
-        self.T, self.all_logits = T, all_logits
+        self.T, self.all_logits, self.verify, self.drafts = T, all_logits, verify, drafts
         packed.copy_to_host_async()
         self._host: StepOutputs | None = None
 
     def get(self) -> StepOutputs:
         if self._host is None:
-            self._host = unpack_outputs(np.asarray(self.packed), self.T, self.all_logits)
+            self._host = unpack_outputs(np.asarray(self.packed), self.T, self.all_logits, self.verify, self.drafts)
         return self._host
 
 
-if {f.name for f in fields(StepOutputs)} != {n for n, _, _ in _layout(1, 1, True)}:
+if {f.name for f in fields(StepOutputs)} != {n for v in (False, True) for n, _, _ in _layout(1, 1, True, v, 1)}:
     raise ImportError("StepOutputs and its packing layout disagree")

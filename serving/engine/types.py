@@ -79,3 +79,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that finished the request (vLLM's)
+    spec_decoding: dict | None = None  # final output with speculative decoding: SpecStats.report(detailed=True)

@@ -131,18 +131,40 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "prompt_logprobs", "stop_str", "stop_token_id")
+    __slots__ = ("finish_reason", "usage", "prompt_logprobs", "stop_str", "stop_token_id", "speculative_decoding")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_DECODING_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     stop_str: str
     stop_token_id: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    speculative_decoding: SpecDecodingMetrics
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., speculative_decoding: _Optional[_Union[SpecDecodingMetrics, _Mapping]] = ...) -> None: ...
+
+class SpecDecodingMetrics(_message.Message):
+    __slots__ = ("mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens", "per_step_accepted")
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PER_STEP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: _containers.RepeatedScalarFieldContainer[int]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., acceptance_histogram: _Optional[_Iterable[int]] = ..., num_spec_steps: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_spec_tokens: _Optional[int] = ..., per_step_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
