@@ -6,7 +6,8 @@ a lone ``model.safetensors`` also works) and the header of every shard (a shard 
 `hf_layout.stored_tensors(cfg, quantized)` is present with the right dtype and shape, that the index and
 the shard headers agree, and that nothing unexpected is there (vision tensors, DSpark ``mtp.*`` tensors of a
 config without a draft and the gate's ``bias_vl`` are accepted and skipped). All problems found are reported
-together in one CheckpointError naming each tensor and file; on success it returns a `Manifest` that says where every tensor's bytes are.
+together in one CheckpointError naming each tensor and file; on success it returns a `Manifest` that says
+where every tensor's bytes are.
 """
 
 from __future__ import annotations
