@@ -350,10 +350,12 @@ def _sample(verify_fn, logits, drafts, n_draft, draft_probs, temperature, n, see
     lg = jnp.broadcast_to(logits, (B, T, logits.shape[-1]))
     dr = jnp.asarray(drafts[:B])
     dp = None if draft_probs is None else jnp.broadcast_to(draft_probs, (B, *draft_probs.shape))
-    f = jax.jit(lambda s: verify_fn(lg, dr, jnp.full((B,), n_draft, jnp.int32), jnp.full((B,), temperature),
-                                    jnp.full((B,), -1, jnp.int32), jnp.ones((B,)), jnp.zeros((B,)), s,
-                                    jnp.zeros((B,), jnp.int32), None, dp, n_logprobs=4)[:2])
-    return jax.device_get(f(jnp.arange(seed, seed + B, dtype=jnp.uint32)))
+    # the operands as arguments: closed over, XLA would constant-fold the sampler's sorts at compile time (minutes)
+    f = jax.jit(lambda lg, dr, dp, s: verify_fn(lg, dr, jnp.full((B,), n_draft, jnp.int32),
+                                                jnp.full((B,), temperature), jnp.full((B,), -1, jnp.int32),
+                                                jnp.ones((B,)), jnp.zeros((B,)), s, jnp.zeros((B,), jnp.int32), None,
+                                                dp, n_logprobs=4)[:2])
+    return jax.device_get(f(lg, dr, dp, jnp.arange(seed, seed + B, dtype=jnp.uint32)))
 
 
 def _chi2_pvalue(counts, probs):
