@@ -174,7 +174,7 @@ def test_checkpoint_names():
 
 
 @pytest.mark.skipif(not os.environ.get("DSV41_TORCH_PYTHON")
-                    or not (ROOT / "tools/official_parity/official/model.py").exists(),
+                    or not (ROOT / "tools" / "official_parity" / "official" / "model.py").exists(),
                     reason="needs DSV41_TORCH_PYTHON and the official reference files (tools/official_parity)")
 def test_parity_with_official_forward_spec():
     out = subprocess.run([sys.executable, "-c", (
