@@ -3,7 +3,7 @@
 - `BackgroundServer(engine, config)`: the API server on its own event-loop thread in this process (the
   engine object stays reachable for white-box checks). `start()` returns once both ports listen.
 - `shared_test_server()` / `shared_long_server()`: one such server per test process (tiny weights, small
-  shapes; the second with a 2048-token context and tool calling), started on first use.
+  shapes; the second with a 2048-token context and tool calling), each started on first use.
 - `small_server_args()`: the `python -m serving.run` flags of the shared server's shapes (compilation-cache hits).
 """
 
@@ -87,6 +87,18 @@ _shared: BackgroundServer | None = None
 _shared_lock = threading.Lock()
 
 
+def _use_shared_cache() -> str:
+    """The persistent compilation cache of the test servers, set before their weights are made (so the init
+    program is cached too; JAX keeps one persistent cache per process)."""
+    import jax
+
+    cache = shared_cache_dir()
+    os.makedirs(cache, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+    return cache
+
+
 def shared_test_server() -> BackgroundServer:
     """One in-process server (tiny preset, byte tokenizer) per test process, started on first use."""
     global _shared
@@ -94,16 +106,10 @@ def shared_test_server() -> BackgroundServer:
         if _shared is None:
             import atexit
 
-            import jax
-
             from serving.engine.config import EngineArgs
             from serving.engine.engine import Engine, load_model
 
-            cache = shared_cache_dir()
-            os.makedirs(cache, exist_ok=True)
-            # before the weights, so their init program is cached too (JAX keeps one persistent cache per process)
-            jax.config.update("jax_compilation_cache_dir", cache)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # programs, not eager ops
+            cache = _use_shared_cache()
             cfg, params = load_model("tiny")
             engine = Engine(cfg, EngineArgs(**SMALL_ENGINE_ARGS, compilation_cache_dir=cache), params=params,
                             progress=False)
@@ -123,7 +129,6 @@ _long: BackgroundServer | None = None
 def shared_long_server() -> BackgroundServer:
     """One in-process server (tiny weights, 2048-token context, byte tokenizer, auto tool choice) per process."""
     global _long
-    shared_test_server()  # the same compilation-cache setup (and the shared server is usually needed too)
     with _shared_lock:
         if _long is None:
             import atexit
@@ -132,6 +137,7 @@ def shared_long_server() -> BackgroundServer:
             from serving.engine.config import EngineArgs
             from serving.engine.engine import Engine, load_model
 
+            _use_shared_cache()
             cfg = ModelConfig.preset("tiny", max_seq_len=LONG_ENGINE_ARGS["max_model_len"])
             cfg, params = load_model(cfg)
             engine = Engine(cfg, EngineArgs(**LONG_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir()),

@@ -75,7 +75,12 @@ def test_serving_md_flag_table_is_the_generated_one():
     m = re.search(r"<!-- flag-table:[^\n]*-->\n(.*?)<!-- end flag-table -->", doc, re.DOTALL)
     assert m, "docs/SERVING.md lost its flag-table markers"
     assert m.group(1) == run.flag_table(), "regenerate it: python -m serving.run --print-flag-table"
-    assert run_cli("--print-flag-table", timeout=60).stdout == m.group(1)
+
+
+def test_print_flag_table_prints_the_table_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        run.build_parser().parse_args(["--print-flag-table"])
+    assert e.value.code in (0, None) and capsys.readouterr().out == run.flag_table()
 
 
 def test_flag_spellings_map_onto_engine_args():
@@ -133,9 +138,16 @@ def test_bad_flag_values_are_usage_errors(argv, capsys):
     (["--max-num-batched-tokens", "4"], "max_num_batched_tokens"),
     (["--model", "no-such-model"], "neither a preset"),
 ])
-def test_bad_flags_exit_2_with_the_engine_message(args, needle):
-    r = run_cli(*args, "--compilation-cache-dir", "none")
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
+def test_bad_flags_exit_2_with_the_engine_message(args, needle, capsys):
+    """In process (`run.main`, what `python -m serving.run` exits with): the checks run before any weight or
+    program is built. The process itself: test_bad_flags_exit_2_as_a_process."""
+    assert run.main([*args, "--compilation-cache-dir", "none"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_flags_exit_2_as_a_process():
+    r = run_cli("--tensor-parallel-size", "2", "--compilation-cache-dir", "none")
+    assert r.returncode == 2 and "parallelism is not available" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------------------------- HF tokenizer

@@ -10,6 +10,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jsonschema
@@ -103,10 +104,16 @@ def test_forced_tool_calls_close_within_the_budget(server, client, mode):
     choice = "required" if mode == "required" else {"type": "function", "function": {"name": "search"}}
     only = None if mode == "required" else "search"
     m = min_tokens(server, StructuredOutputs(lark=dsml.tool_call_grammar(TOOLS, only, True)))
-    for i, budget in enumerate((m, m + 3, m + 60, 3 * m)):
-        r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
-                                           max_tokens=budget, temperature=1.0, seed=i,
-                                           extra_body={"cache_salt": f"{mode}-{budget}"})
+    budgets = (m, m + 3, m + 60, 3 * m)
+
+    def ask(i):  # the four budgets at once: one decode batch
+        return client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=budgets[i], temperature=1.0, seed=i,
+                                              extra_body={"cache_salt": f"{mode}-{budgets[i]}"})
+
+    with ThreadPoolExecutor(len(budgets)) as pool:
+        replies = list(pool.map(ask, range(len(budgets))))
+    for budget, r in zip(budgets, replies):
         c = r.choices[0]
         assert r.usage.completion_tokens <= budget
         # OpenAI (and vLLM): "tool_calls" when the model chose to call; a named tool_choice finishes "stop"
@@ -170,17 +177,22 @@ def test_default_model_required_tool_choice_yields_a_call_within_200_tokens():
     from serving.tokenizer import HFTokenizer
 
     cfg, params = load_model(str(DIR))
-    args = EngineArgs(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=256, prefill_buckets=(256,),
-                      decode_buckets=(2,), enable_prompt_logprobs=False, compilation_cache_dir=shared_cache_dir())
+    # the four requests run at once (one decode batch of 4): the steps of one request, not of four in a row
+    args = EngineArgs(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=256, prefill_buckets=(256,),
+                      decode_buckets=(4,), enable_prompt_logprobs=False, compilation_cache_dir=shared_cache_dir())
     engine = Engine(cfg, args, params=params, tokenizer=HFTokenizer(str(DIR / "tokenizer.json")), progress=False)
     with BackgroundServer(engine, ServerConfig(port=0, grpc_port=-1, served_model_name="default",
                                                shutdown_timeout=5)) as srv:
         c = openai.OpenAI(base_url=srv.http_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        for prompt in ("Read the file setup.py", "Find where parse_args is defined"):
-            for temperature in (0.0, 1.0):
-                r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
-                                              tools=TOOLS, tool_choice="required", max_tokens=200,
-                                              temperature=temperature, seed=0)
+
+        def ask(prompt, temperature):
+            return c.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                             tools=TOOLS, tool_choice="required", max_tokens=200,
+                                             temperature=temperature, seed=0)
+
+        cases = [(p, t) for p in ("Read the file setup.py", "Find where parse_args is defined") for t in (0.0, 1.0)]
+        with ThreadPoolExecutor(len(cases)) as pool:
+            for r in pool.map(lambda case: ask(*case), cases):
                 ch = r.choices[0]
                 assert ch.finish_reason == "tool_calls" and r.usage.completion_tokens <= 200, ch
                 check_calls(ch.message.tool_calls)

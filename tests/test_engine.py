@@ -7,17 +7,21 @@ import pytest
 from dsv41_jax import paths
 from dsv41_jax.engram_hash import EngramHasher
 from serving.engine import Engine, EngineArgs, SamplingParams
+from serving.engine.config import SMALL_ENGINE_ARGS
 from serving.engine.engine import QueueFull
 
+# The exact-mode engine: several prefill and decode buckets (bucket choice, one program per bucket).
 ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
-            decode_buckets=(1, 2, 4))
+            decode_buckets=(2, 4))
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module")
 def eng(tiny, tiny_params):
-    """bf16 + every qdq point on: FP4 pages, FP8 rings (the production formats); SWA bounded replay."""
-    return Engine(tiny, EngineArgs(**ARGS), params=tiny_params, progress=False)
+    """bf16 + every qdq point on: FP4 pages, FP8 rings (the production formats); SWA bounded replay. The API
+    test server's shapes (SMALL_ENGINE_ARGS: 128-token chunks, 8 sequences): the same programs, so whichever
+    test compiles them first fills the persistent compilation cache for the others."""
+    return Engine(tiny, EngineArgs(**SMALL_ENGINE_ARGS), params=tiny_params, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +74,8 @@ def prompts(seed, lens):
 
 
 def test_matches_model_ced_path(eng, tiny, tiny_params):
-    """Chunked (64 + 36), paged, bucketed, FP4 pages: equals the model's CED prefill + decode."""
-    p = prompts(0, [100])[0]
+    """Chunked (128 + 22), paged, bucketed, FP4 pages: equals the model's CED prefill + decode."""
+    p = prompts(0, [150])[0]
     out = run(eng, [p], salt="ref")[0]
     ids, lps = greedy_reference(tiny, tiny_params, p, 6)
     assert out["ids"] == ids
@@ -187,7 +191,8 @@ def test_bad_requests_rejected_without_side_effects(eng):
     eng.args.max_queued_requests = old
 
 
-def test_no_compilation_after_warmup(eng):
+def _compile_events(engine, ps):
+    """Run prompts of assorted lengths (sampled, seeded) to the end; the compile events JAX reported meanwhile."""
     events = []
 
     def listener(name, *a, **k):
@@ -196,13 +201,17 @@ def test_no_compilation_after_warmup(eng):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        ps = prompts(8, [5, 33, 64, 100, 9, 130])
         for i, p in enumerate(ps):
-            eng.add_request(f"nc{i}", p, SamplingParams(max_tokens=3 + i, temperature=0.7, top_p=0.9, seed=i))
-        eng.run_until_done()
+            engine.add_request(f"nc{i}-{np.random.randint(1 << 30)}", p,
+                               SamplingParams(max_tokens=3 + i, temperature=0.7, top_p=0.9, seed=i))
+        engine.run_until_done()
     finally:
         jax.monitoring.clear_event_listeners()
-    assert events == []
+    return events
+
+
+def test_no_compilation_after_warmup(eng):
+    assert _compile_events(eng, prompts(8, [5, 33, 64, 100, 9, 130])) == []
     # bounded replay: per prefill bucket a chunk program without and one with the decoder (+ prompt logprobs),
     # and one decode program per batch bucket
     a = eng.args
@@ -210,9 +219,21 @@ def test_no_compilation_after_warmup(eng):
     assert eng.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng.runner.program_keys()) == expected
 
 
+def test_exact_mode_no_compilation_after_warmup(eng_exact):
+    """Several prefill and decode buckets: every chunk and batch size finds its bucket's program."""
+    assert _compile_events(eng_exact, prompts(13, [5, 33, 64, 100, 9, 130])) == []
+    # exact mode: per prefill bucket a chunk program without and one with sampling (decoder on every row), one
+    # decode program per batch bucket, and the SWA snapshot save / load programs
+    a = eng_exact.args
+    expected = len(a.prefill_buckets) * 2 + len(a.decode_buckets) + 2
+    assert len(a.prefill_buckets) > 1 and len(a.decode_buckets) > 1
+    assert eng_exact.metrics.snapshot()["gauges"]["compiled_programs"] == len(eng_exact.runner.program_keys()) \
+        == expected
+
+
 def test_prompt_logprobs_equal_full_forward(eng, tiny, tiny_params):
-    """echo + logprobs: every prompt position scored exactly as the full forward (a), across chunks."""
-    p = prompts(9, [90])[0]
+    """echo + logprobs: every prompt position scored exactly as the full forward (a), across chunks (128 + 22)."""
+    p = prompts(9, [150])[0]
     outs = []
     eng.add_request("plp", p, SamplingParams(max_tokens=0, prompt_logprobs=3),
                     callback=outs.append)
@@ -220,10 +241,10 @@ def test_prompt_logprobs_equal_full_forward(eng, tiny, tiny_params):
     final = outs[-1]
     assert final.finished and final.finish_reason == "length" and final.new_token_ids == []
     plp = final.prompt_logprobs
-    assert len(plp) == 90 and plp[0] is None and all(len(d) >= 1 for d in plp[1:])
+    assert len(plp) == 150 and plp[0] is None and all(len(d) >= 1 for d in plp[1:])
     ref = np.asarray(jax.nn.log_softmax(paths.forward(tiny, tiny_params, np.asarray([p]))[0], axis=-1))
-    got = np.array([plp[i + 1][p[i + 1]] for i in range(89)])
-    want = ref[np.arange(89), p[1:]]
+    got = np.array([plp[i + 1][p[i + 1]] for i in range(149)])
+    want = ref[np.arange(149), p[1:]]
     np.testing.assert_allclose(got, want, atol=2e-3)
     top = max(plp[10].items(), key=lambda kv: kv[1])
     assert top[0] == int(ref[9].argmax())
@@ -244,12 +265,11 @@ def _sampled(engine, prompts_, n=6, **sp):
 def test_unseeded_requests_reproduce_after_a_restart_with_the_same_seed(tiny, tiny_params):
     """--seed drives the seeds of unseeded requests in arrival order (as vLLM): a restarted engine with the same
     seed gives the same outputs for the same sequence of requests; another seed does not."""
-    from serving.engine.config import SMALL_ENGINE_ARGS
-
     ps = prompts(11, [20, 45, 70])
 
-    def fresh(seed):  # the API test server's shapes: its programs come from the persistent compilation cache
-        return Engine(tiny, EngineArgs(**SMALL_ENGINE_ARGS, seed=seed), params=tiny_params, progress=False)
+    def fresh(seed):  # `eng`'s shapes (programs from the persistent compilation cache), but for prompt logprobs
+        return Engine(tiny, EngineArgs(**SMALL_ENGINE_ARGS, seed=seed), params=tiny_params, progress=False,
+                      programs=lambda k: not k.all_logits)
 
     a = _sampled(fresh(5), ps)
     b = _sampled(fresh(5), ps)

@@ -10,7 +10,8 @@ device); the model and engine subprocesses run concurrently, then the two proces
   their rank and hit its prefix cache; the load cap moves a session; an idle rank and a queueing rank do not
   stall each other; each rank's page pool stays consistent and holds only its own sessions' pages.
 - multi-host (2 processes x 2 devices, loopback): a TP4 engine through jax.distributed generates the
-  single-device engine's greedy tokens; the follower replays the driver's calls and exits on shutdown.
+  single-device engine's greedy tokens (that engine runs in the engine subprocess: same weights, shapes and
+  prompts); the follower replays the driver's calls and exits on shutdown.
 In-process: layout errors (sizes that do not divide, more ranks than devices, TP with DP), the sharding
 rules, placement and call packing.
 """
@@ -48,6 +49,21 @@ TINY32 = ModelConfig.preset("tiny", qdq=False, compute_dtype="float32")
 CFG4 = TINY32.replace(o_groups=4, index_n_heads=4, moe_inter_dim=128)
 def result(d):
     print("RESULT " + json.dumps(d), flush=True)
+# the engines' shapes (prompts fit one chunk: only the window-decoder chunk program and decode are compiled)
+ARGS = dict(max_model_len=192, max_num_seqs=2, max_num_batched_tokens=160, prefill_buckets=(160,),
+            decode_buckets=(2,), enable_prompt_logprobs=False)
+KEEP = lambda k: k.kind == "decode" or k.decoder == "window"
+MH_PROMPTS = [np.random.default_rng(5).integers(0, 512, n).tolist() for n in (9, 16, 12)]
+
+def greedy(e, prompts):
+    from serving.engine import SamplingParams
+    for i, t in enumerate(prompts):
+        e.add_request(f"g{i}", t, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    res = {}
+    while e.has_unfinished():
+        for o in e.step():
+            res.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [res[f"g{i}"] for i in range(len(prompts))]
 """
 
 MODEL_SCRIPT = COMMON + r'''
@@ -188,10 +204,7 @@ result(out)
 ENGINE_SCRIPT = COMMON + r'''
 from serving.engine import Engine, EngineArgs, SamplingParams
 assert len(jax.devices()) == 2
-params = jax.jit(lambda: init_params(TINY32, 0))()
-ARGS = dict(max_model_len=192, max_num_seqs=2, max_num_batched_tokens=160, prefill_buckets=(160,),
-            decode_buckets=(2,), enable_prompt_logprobs=False)
-KEEP = lambda k: k.kind == "decode" or k.decoder == "window"  # prompts fit one chunk: no other program
+params = jax.jit(lambda: init_params(CFG4, 0))()  # the weights the multi-host engine makes (seed 0)
 rng = np.random.default_rng(3)
 turn1 = {s: rng.integers(0, 512, 70).tolist() for s in ("s0", "s1")}
 extra = {s: rng.integers(0, 512, 5).tolist() for s in ("s0", "s1")}
@@ -222,15 +235,16 @@ def scenario(e):
         res.update(g); ranks.update(r)
     return res, ranks
 
-single = Engine(TINY32, EngineArgs(**ARGS), params=params, progress=False, programs=KEEP)
+single = Engine(CFG4, EngineArgs(**ARGS), params=params, progress=False, programs=KEEP)
 ref, _ = scenario(single)
-dep = Engine(TINY32, EngineArgs(**ARGS, data_parallel_size=2, enable_expert_parallel=True, dp_load_cap=1),
+mh_ref = greedy(single, MH_PROMPTS)  # the multi-host test's single-device reference
+dep = Engine(CFG4, EngineArgs(**ARGS, data_parallel_size=2, enable_expert_parallel=True, dp_load_cap=1),
              params=params, progress=False, programs=KEEP)
 got, ranks = scenario(dep)
 for r in dep.ranks:
     r.pool.check()
 st = dep.stats()["parallel"]
-result({"ref": ref, "got": got, "ranks": ranks, "stats": st,
+result({"ref": ref, "got": got, "ranks": ranks, "stats": st, "mh_ref": mh_ref,
         "free_slots": [len(r.scheduler.free_slots) for r in dep.ranks],
         "all_free": [r.pool.num_free() == r.pool.num_pages - 1 for r in dep.ranks],
         "cached_pages": [sorted(r.pool.hash_of) for r in dep.ranks]})
@@ -240,33 +254,16 @@ MH_SCRIPT = COMMON + r'''
 pid, port = int(sys.argv[1]), int(sys.argv[2])
 from serving.engine import multihost
 multihost.initialize("127.0.0.1", port, 2, pid, local_devices=2)
-from serving.engine import Engine, EngineArgs, SamplingParams
+from serving.engine import Engine, EngineArgs
 assert jax.process_count() == 2 and len(jax.devices()) == 4
-ARGS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=48, prefill_buckets=(48,),
-            decode_buckets=(2,), enable_prompt_logprobs=False)
-KEEP = lambda k: k.kind == "decode" or k.decoder == "window"  # every prompt fits one chunk
-prompts = [np.random.default_rng(5).integers(0, 512, n).tolist() for n in (9, 16, 12)]
-
-def gen(e):
-    for i, t in enumerate(prompts):
-        e.add_request(f"r{i}", t, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    res = {}
-    while e.has_unfinished():
-        for o in e.step():
-            res.setdefault(o.request_id, []).extend(o.new_token_ids)
-    return [res[f"r{i}"] for i in range(len(prompts))]
-
-if pid == 0:  # the single-device reference on the driver's first device (the follower waits at a barrier)
-    params = jax.jit(lambda: init_params(CFG4, 0))()
-    ref = gen(Engine(CFG4, EngineArgs(**ARGS), params=params, progress=False, programs=KEEP))
 eng = Engine(CFG4, EngineArgs(**ARGS, tensor_parallel_size=4), progress=False, programs=KEEP)
 if pid:
     eng.follow()
     print("FOLLOWER-DONE", flush=True)
 else:
-    got = gen(eng)
+    got = greedy(eng, MH_PROMPTS)
     eng.shutdown()
-    result({"ref": ref, "got": got, "layout": eng.stats()["parallel"]["layout"]})
+    result({"got": got, "layout": eng.stats()["parallel"]["layout"]})
 '''
 
 
@@ -462,7 +459,8 @@ def test_dep_engine_greedy_equals_single_device_with_sticky_sessions(runs):
     assert [len(c) for c in e["cached_pages"]] == [1, 1]
 
 
-def test_multi_host_tp4_over_two_processes_equals_single_device():
+def test_multi_host_tp4_over_two_processes_equals_single_device(runs):
+    """The reference: the single-device engine of the engine subprocess (same weights, shapes and prompts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -475,4 +473,4 @@ def test_multi_host_tp4_over_two_processes_equals_single_device():
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert res["layout"] == "TP4" and res["got"] == res["ref"]
+    assert res["layout"] == "TP4" and res["got"] == runs["engine"]["mh_ref"]

@@ -9,6 +9,7 @@ import pytest
 from dsv41_jax import attention
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.train_attention import onepass_core
+from tests.training_steps import run_clean
 
 
 def test_onepass_core_matches_the_served_core():
@@ -95,86 +96,12 @@ def test_blocked_core_equals_the_served_core():
             np.testing.assert_allclose(x, y, atol=tol * np.max(np.abs(y)), rtol=tol)
 
 
-def _loss_and_grads(cfg, attention, B, T, seed=0):
-    from dsv41_jax.engram_hash import EngramHasher
-    from dsv41_jax.ops import TrainHooks
-    from training import data as D
-    from training import objective as O
-
-    m = jax.jit(lambda: O.init_masters(cfg, seed))()
-    win = np.random.default_rng(seed).integers(1, cfg.vocab_size, (B, T + 1)).astype(np.int32)
-    batch = D.host_batch(cfg, EngramHasher(cfg), win)
-    hooks = TrainHooks(balance=True, indexer_stride=4, attention=attention)
-
-    def f(m):
-        return O.loss_and_metrics(cfg, m, *batch, aux_weight=0.1, hooks=hooks)
-
-    (loss, met), g = jax.jit(jax.value_and_grad(f, has_aux=True))(m)
-    return float(loss), float(met["ce"]), jax.tree.leaves(g)
-
-
-def _grad_error(gx, gy):
-    """Relative L2 distance of two gradient trees (all leaves together), and whether any leaf is non-finite."""
-    num = sum(float(np.sum((np.asarray(x, np.float32) - np.asarray(y, np.float32)) ** 2)) for x, y in zip(gx, gy))
-    den = sum(float(np.sum(np.asarray(y, np.float32) ** 2)) for y in gy)
-    assert den > 0 and all(np.all(np.isfinite(np.asarray(x))) for x in gx)
-    return (num / den) ** 0.5
-
-
-def _check_model(cfg, B, T, tol_loss, tol_grad):
-    """Loss and gradients of the training step's objective, blocked vs served attention. f32 (tol_grad a number):
-    every leaf to tol_grad relative L2. bf16 + qdq (tol_grad None): the step's routing, top-k and FP8 points
-    turn bf16 rounding into large gradient changes at initialisation, so the bar is the served core's own
-    rounding sensitivity: blocked is no farther from served than the one-pass core (same math, other rounding),
-    times 1.5."""
-    lw, cw, gw = _loss_and_grads(cfg, "served", B, T)
-    lg, cg, gg = _loss_and_grads(cfg, "blocked", B, T)
-    assert abs(lg - lw) <= tol_loss * abs(lw) and abs(cg - cw) <= tol_loss * abs(cw), (lg, lw, cg, cw)
-    if tol_grad is not None:
-        for x, y in zip(gg, gw):
-            assert _grad_error([x], [y]) <= tol_grad if np.any(np.asarray(y)) else not np.any(np.asarray(x))
-        assert _grad_error(gg, gw) <= 1e-4
-        return
-    _, _, go = _loss_and_grads(cfg, "onepass", B, T)
-    err, noise = _grad_error(gg, gw), _grad_error(go, gw)
-    assert err <= 1.5 * noise, (err, noise)
-
-
-def _run_clean(call: str):
-    """Run `call` (a _check_model call) in a fresh interpreter at XLA's default CPU optimisation level: the
-    suite's --xla_backend_optimization_level=0 (tests/conftest.py) makes the model's backward NaN for the served
-    attention and this one alike (a scan of the step; not an attention property), so the comparison runs at the
-    level that training compiles with."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}")
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_backend_optimization_level"))
-    code = ("import dataclasses\nfrom dsv41_jax.config import ModelConfig\n"
-            "from training.train_default import model_config\nfrom test_training_attention import _check_model\n"
-            f"{call}\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
 @pytest.mark.timeout(1800)
 def test_blocked_training_step_equals_served_tiny():
     """The tiny preset, T = 45 (window 8 wraps 5 times, 22 / 45 compressed entries, top-8): f32 without qdq
     tight (loss 1e-6, every gradient leaf to 1e-4 relative L2); bf16 with the served qdq: loss to 1e-2, gradients
-    within the served core's own rounding sensitivity (_check_model)."""
-    _run_clean("tiny = ModelConfig.preset('tiny')\n"
-               "_check_model(dataclasses.replace(tiny, compute_dtype='float32', qdq=False), 2, 45, 1e-6, 1e-4)\n"
-               "_check_model(tiny, 2, 45, 1e-2, None)")
-
-
-@pytest.mark.timeout(1800)
-def test_blocked_training_step_equals_served_default_model():
-    """The default model's training config (training.train_default.model_config: window 128, top-128), T = 320:
-    the window wraps, a partial last block, 160 / 320 compressed entries > top-k. f32 without qdq: loss 1e-6,
-    each leaf 1e-3 and all leaves 1e-4 relative L2 (seen: wo_a 1.1e-4, all 1.3e-5); bf16 + qdq as _check_model."""
-    _run_clean("_check_model(model_config(compute_dtype='float32', qdq=False), 1, 320, 1e-6, 1e-3)\n"
-               "_check_model(model_config(), 1, 320, 1e-2, None)")
+    within the served core's own rounding sensitivity (tests/training_steps.check_model). The default model's
+    config: tests/test_training_attention_default.py (a file of its own, so the two run on different workers)."""
+    run_clean("tiny = ModelConfig.preset('tiny')\n"
+              "check_model(dataclasses.replace(tiny, compute_dtype='float32', qdq=False), 2, 45, 1e-6, 1e-4)\n"
+              "check_model(tiny, 2, 45, 1e-2, None)")
