@@ -330,11 +330,13 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
               f"(+ {training['model']['engram_table_params'] / 1e6:.2f}M Engram table rows), 8K context, trained "
               f"by `python -m training.train_default` on one {tr['device']} in {tr['train_seconds']:.0f} s "
               f"({tr['tokens_per_second']:,} tokens/s, {tr['steps']} steps, {tr['epochs']} epochs over "
-              f"{c['tokens']['train']:,} training tokens of Python {c['python']}'s standard library; checkpoint of "
+              f"{c['tokens']['train']:,} training tokens of Python {c['python']}'s standard library and installed "
+              "packages; checkpoint of "
               f"step {tr['best_step']}, the best validation loss).", "",
               "| metric | value |", "|---|---|",
-              f"| held-out loss, 1K-token windows | {e['heldout_loss_1k']} nats/token "
-              f"({e['heldout_tokens_1k']:,} tokens) |",
+              f"| held-out loss ({e['heldout']['files']} files, {e['window']}-token windows) | "
+              f"{e['heldout']['loss']} nats/token, {e['heldout']['bits_per_byte']} bits/byte "
+              f"({e['heldout']['tokens']:,} tokens) |",
               f"| indexer recall: attention mass in its top-k on the last training batches (random pick) | {rec} |",
               f"| split | {c['split_rule']}; files {c['files']} |", ""]
     if r.get("nll_by_position"):

@@ -23,7 +23,7 @@ from serving.engine.config import CPU_SERVER_DEFAULTS, FIELD_DEFAULT, EngineArgs
 
 PRESETS = ("tiny", "small", "medium", "full")
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default_model")
-DEFAULT_MODEL_NAME = "dsv41-stdlib-8k"
+DEFAULT_MODEL_NAME = "dsv41-pycode-8k"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GROUPS = {"model": "model", "engine": "engine", "parallelism": "parallelism (docs/PARALLELISM.md)",
           "speculative decoding": "speculative decoding", "multi-host": "multi-host", "server": "server",
