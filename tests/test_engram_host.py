@@ -167,6 +167,14 @@ def test_config_flag_and_default_threshold():
     assert EngramConfig.parse(a.engram_config).cpu_offload
 
 
+def test_speculation_with_host_tables_is_refused(tiny):
+    """Not supported together yet (the verify rows' Engram rows would be the drafts'): a clear error up front."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="host Engram tables"):
+        EngineArgs(**ARGS, engram_config=HOST, speculative_config=spec).resolved(tiny)
+    assert EngineArgs(**ARGS, speculative_config=spec).resolved(tiny).speculative.num_speculative_tokens == 2
+
+
 # ---------------------------------------------------------------------------------------------- storage
 def test_one_shared_copy_per_host(tiny, tmp_path):
     opts = host_tables.StoreOptions(shm_dir=str(tmp_path))
