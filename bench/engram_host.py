@@ -284,7 +284,7 @@ def _run_part2(a) -> dict:
         if p.returncode != 0:
             return {"error": f"exit {p.returncode} (killed for memory?)", "stderr": p.stderr[-1000:]}
         with open(out) as f:
-            return json.load(f)
+            return json.load(f)["result"]
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {a.lookup_timeout} s"}
 
@@ -320,9 +320,11 @@ def main(argv=None):
     import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
 
     if a.part == "lookup":
+        from bench.common import write_result
+
         res = part2(a)
-        with open(a.lookup_json, "w") as f:
-            json.dump(res, f)
+        write_result(a.lookup_json, res, "python -m bench.engram_host " + " ".join(argv if argv is not None
+                                                                                   else sys.argv[1:]))
         return res
     from dsv41_jax.config import ModelConfig
 

@@ -85,7 +85,7 @@ def install_fast_accum_dot() -> bool:
             return base(ctx, a, b, dimension_numbers=dimension_numbers, precision=precision,
                         preferred_element_type=preferred_element_type, **kw)
         if any(jnp.dtype(v.dtype) not in (jnp.dtype(E4M3), jnp.dtype(jnp.float8_e5m2)) for v in ctx.avals_in):
-            raise NotImplementedError("FAST_ACCUM dots take FP8 operands")
+            raise TypeError("FAST_ACCUM dots take FP8 operands")
         ((ca,), (cb,)), _ = dimension_numbers
         a = tt.trans(a, (1, 0)) if ca == 0 else a
         b = tt.trans(b, (1, 0)) if cb == 1 else b

@@ -23,6 +23,8 @@ inside the programs (serving/engine/spec_draft.py) and its proposer hands over w
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 from dataclasses import dataclass, field
 
@@ -101,13 +103,14 @@ class SpeculativeConfig:
         return f"{self.method}, k={self.num_speculative_tokens}{extra}"
 
 
-class Proposer:
+class Proposer(ABC):
     """Drafts for running requests (host side). Subclasses implement `propose`."""
     method = "base"
     probabilistic = False  # drafts are one-hot (greedy draft sampling)
 
+    @abstractmethod
     def propose(self, req, k: int) -> list[int]:
-        raise NotImplementedError
+        """Up to k draft tokens continuing req's sequence."""
 
 
 class NgramProposer(Proposer):
