@@ -23,9 +23,8 @@ inside the programs (serving/engine/spec_draft.py) and its proposer hands over w
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
