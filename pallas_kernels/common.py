@@ -70,13 +70,21 @@ def interpret_default() -> bool:
 def last_arrival(counter_ref, index, arrivals: int, interpret: bool):
     """Inside a kernel body: count this program's arrival at counter_ref[index] (int32, zeroed per call) and
     return whether it is the last of `arrivals` programs to arrive there: that program may then read what the
-    others stored before their arrival (its loads of them should bypass L1: cache_modifier=".cg"). A CTA barrier
+    others stored before their arrival (its loads of them must bypass L1: `load_uncached`). A CTA barrier
     orders every thread's stores before the acquire-release atomic (Triton issues a scalar atomic from one
     thread); interpret mode runs the programs one after another and has no barrier. No program ever waits, so
     the grid may exceed what the GPU holds at once."""
     if not interpret:
         plt.debug_barrier()
     return plt.atomic_add(counter_ref, index, jnp.int32(1)) == arrivals - 1
+
+
+def load_uncached(ref, *, l2_only: bool = True, **kw):
+    """Inside a kernel body: a load that bypasses L1 (`ld.volatile`: L2 serves it), for values other programs of
+    this launch stored (last-arrival partials, a buffer written earlier in the same kernel). `l2_only=False` is a
+    plain load. Why volatile and not cache_modifier=".cg": jax 0.11's Triton lowering rejects every cache
+    modifier string (KeyError '.cg'), while the volatile flag lowers on every jax version we run."""
+    return plt.load(ref, volatile=l2_only, **kw)
 
 
 def _i32(x):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import interpret_default, last_arrival
+from pallas_kernels.common import interpret_default, last_arrival, load_uncached
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SM_COUNT = 132  # H200
@@ -111,8 +111,8 @@ def _kernel(layer_ref, x_ref, w_ref, bias_ref, cnt_in, wout, iout, part, cnt, *,
         eok_c = cols < st.E
 
         def body(c, a):
-            return a + plt.load(part.at[c, pl.ds(r0, st.bn), pl.ds(z, st.Ep)], mask=ok & eok_c, other=0.0,
-                                cache_modifier=".cg")
+            return a + load_uncached(part.at[c, pl.ds(r0, st.bn), pl.ds(z, st.Ep)], mask=ok & eok_c,
+                                     other=0.0)
 
         logits = jax.lax.fori_loop(0, st.n_dc, body, jnp.zeros((st.bn, st.Ep), F32))
         s = jnp.sqrt(_softplus(logits))

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival
+from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival, load_uncached
 from pallas_kernels.mhc.kernel import WIDTH, _col, _place, coefficients
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -151,8 +151,7 @@ def _partials(st: _Static, rb, part):
     r0, ok = _rows(st, rb)
 
     def body(k, acc):
-        return acc + plt.load(part.at[k, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], mask=ok, other=0.0,
-                              cache_modifier=".cg")
+        return acc + load_uncached(part.at[k, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], mask=ok, other=0.0)
 
     return jax.lax.fori_loop(0, st.n_dc, body, jnp.zeros((st.bn, WIDTH), F32))
 
@@ -175,13 +174,13 @@ def _mixes(st: _Static, rb, layer, acc, scale_ref, base_ref, mix_out):
               mask=ok & (_cols(WIDTH) < mw))
 
 
-def _normalise(st: _Static, rb, d_start, n_steps, layer, rx, x_src, norm_ref, x_out, xq_out, cache):
+def _normalise(st: _Static, rb, d_start, n_steps, layer, rx, x_src, norm_ref, x_out, xq_out, uncached):
     """x = norm_w * (x_src * rx) rounded to bf16 (and its FP8 qdq) over columns d_start .. + n_steps * bk."""
     r0, ok = _rows(st, rb)
 
     def step(t, c):
         d0 = d_start + t * st.bk
-        xv = plt.load(x_src.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], mask=ok, other=0.0, cache_modifier=cache)
+        xv = load_uncached(x_src.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], mask=ok, other=0.0, l2_only=uncached)
         w = plt.load(norm_ref.at[layer, pl.ds(d0, st.bk)]).astype(F32)
         xn = (w[None, :] * (xv.astype(F32) * rx[:, None])).astype(BF16)
         plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], xn, mask=ok)
@@ -209,7 +208,7 @@ def _fused_kernel(layer_ref, y_ref, h_ref, mix_ref, fn_ref, scale_ref, base_ref,
     def _epilogue():
         acc = _partials(st, rb, part)
         _mixes(st, rb, layer, acc, scale_ref, base_ref, mix_out)
-        _normalise(st, rb, 0, st.D // st.bk, layer, _rx(st, acc), x_out, norm_ref, x_out, xq_out, ".cg")
+        _normalise(st, rb, 0, st.D // st.bk, layer, _rx(st, acc), x_out, norm_ref, x_out, xq_out, True)
 
 
 def _phase1_kernel(layer_ref, y_ref, h_ref, mix_ref, fn_ref, h_out, xun_out, part, *, st: _Static):
@@ -228,7 +227,7 @@ def _phase2_kernel(layer_ref, part, xun, scale_ref, base_ref, norm_ref, *outs, s
     def _():
         _mixes(st, rb, layer, acc, scale_ref, base_ref, mix_out)
 
-    _normalise(st, rb, dc * st.dk, st.dk // st.bk, layer, _rx(st, acc), xun, norm_ref, x_out, xq_out, None)
+    _normalise(st, rb, dc * st.dk, st.dk // st.bk, layer, _rx(st, acc), xun, norm_ref, x_out, xq_out, False)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "single_launch", "num_warps"))

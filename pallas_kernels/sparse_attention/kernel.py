@@ -231,7 +231,7 @@ def _merge_splits(st: _Static, r, h, sink, acc_ref, m_ref, l_ref):
     h0 = h * st.bh
 
     def ld(ref, sp, *tail):
-        return plt.load(ref.at[(r, sp, pl.ds(h0, st.bh)) + tail], cache_modifier=".cg")
+        return common.load_uncached(ref.at[(r, sp, pl.ds(h0, st.bh)) + tail])
 
     mx = jax.lax.fori_loop(0, st.splits, lambda sp, a: jnp.maximum(a, ld(m_ref, sp)),
                            jnp.full((st.bh,), -jnp.inf, F32))
