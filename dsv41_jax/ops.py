@@ -52,6 +52,14 @@ from pallas_kernels import ring_write as ring_kernel
 from pallas_kernels import sparse_attention as attn_kernel
 
 KERNEL_CHOICES = ("xla", "pallas")
+# Ops whose XLA implementation also runs inside a Pallas program (same operands and KV layout), so that a context
+# may keep them on XLA where their kernel loses (ExecContext.xla_ops).
+XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "ring_write")
+# What `--kernels auto` keeps on XLA: the fused kernels that measured slower than XLA's fusions on the H200
+# (bench/results/fused_kernels_h200.json, in-program loop time per call at D = 5120: Mega-mHC 72.9 us vs 27.8 at
+# 1 row, 1159 vs 34.7 at 256; Mega-Gate (384 experts) 43.2 vs 21.5 at 1 row, 94.6 vs 66.3 at 256; ring_write
+# 23.8 vs 17.6 at 1 row). `--kernels pallas` runs every kernel.
+AUTO_XLA_OPS = ("gate", "hc_boundary", "ring_write")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 # One CSA2 attention call's operands (model -> ops -> shard_map -> kernel): see
@@ -348,9 +356,14 @@ class ExecContext:
     mesh: Mesh | AbstractMesh | None = None  # the mesh of `parallel` (AbstractMesh: lowering only); None: one device
     parallel: Parallel | None = None  # the layout over `mesh` (TP or DP/DEP)
     hooks: TrainHooks | None = None  # training-only hooks (None: the serving / reference step)
+    xla_ops: tuple[str, ...] = ()  # with kernels="pallas": these ops (of XLA_SWAPPABLE_OPS) run XLA's version
 
     def __post_init__(self):
         check_kernels(self.kernels)
+        bad = [o for o in self.xla_ops if o not in XLA_SWAPPABLE_OPS]
+        if bad:
+            raise ValueError(f"ExecContext.xla_ops {bad}: only {XLA_SWAPPABLE_OPS} have an XLA version that runs "
+                             "beside the Pallas kernels")
         if (self.mesh is None) != (self.parallel is None):
             raise ValueError("ExecContext: a mesh needs its parallel layout and a layout needs its mesh")
         if self.parallel is not None:
@@ -380,7 +393,7 @@ DEFAULT = ExecContext()
 
 
 def _impl(ex: ExecContext, name: str):
-    return PALLAS_OPS[name] if ex.pallas else None
+    return PALLAS_OPS[name] if ex.pallas and name not in ex.xla_ops else None
 
 
 def _local_linear(ex: ExecContext):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from dsv41_jax.kv_format import pages_for
 from dsv41_jax.ops import (
+    AUTO_XLA_OPS,
     KERNEL_CHOICES,
     check_kernels,
     check_kernels_with_parallel,
@@ -132,7 +133,8 @@ class EngineArgs:
         "compilation cache too)", choices=EXECUTIONS))
     kernels: str = field(default="auto", metadata=cli(
         "auto: the Pallas kernels on a GPU where they serve the model (bf16 compute, FP8/FP4 KV, window a multiple "
-        "of 64, compiled execution; under TP and DP / DEP too), XLA's ops elsewhere (on a CPU the kernels would run "
+        "of 64, compiled execution; under TP and DP / DEP too) except the fused ones measured slower than XLA's "
+        "fusions (dsv41_jax.ops.AUTO_XLA_OPS), XLA's ops elsewhere (on a CPU the kernels would run "
         "interpreted); on the H200 (medium) Pallas decodes 2.3-3.1x and prefills 2.5x faster (docs/BENCHMARKS.md); "
         "pallas refuses a model it cannot serve, naming why", choices=KERNELS))
     compilation_cache_dir: str | None = field(default=None, metadata=cli(
@@ -179,6 +181,7 @@ class EngineArgs:
     parallel: Parallel | None = None  # resolved from the flags above (do not set)
     engram: EngramConfig | None = None  # resolved from engram_config (do not set)
     speculative: SpeculativeConfig | None = None  # resolved from speculative_config (do not set)
+    xla_ops: tuple[str, ...] = ()  # resolved: ops kept on XLA beside the Pallas kernels (auto; do not set)
 
     def resolved(self, cfg) -> EngineArgs:
         """Fill derived defaults and validate against the model config."""
@@ -195,6 +198,7 @@ class EngineArgs:
             raise ValueError(f"--execution must be compiled or eager, got {a.execution!r}")
         if a.kernels == "auto":
             a.kernels = auto_kernels(a, cfg)
+            a.xla_ops = AUTO_XLA_OPS if a.kernels == "pallas" else ()
         check_kernels(a.kernels)  # names the ops without a Pallas version; never a silent fallback
         a.parallel = _layout(a, cfg)
         a.engram = EngramConfig.parse(a.engram_config).resolved(cfg)

@@ -126,7 +126,7 @@ class Runner:
         self.dp = self.par is not None and self.par.mode == "dp"
         self.n_ranks = self.par.size if self.dp else 1  # data-parallel ranks (blocks of every pool)
         self.ex = ExecContext(kv=PagedKV(self.layout, cfg.compute_dtype), kernels=args.kernels, mesh=mesh,
-                              parallel=self.par)
+                              parallel=self.par, xla_ops=tuple(getattr(args, "xla_ops", ()) or ()))
         self.swa_layout = ops.swa_layout(self.ex)  # how a program holds the rings (kv_cache.SwaRings / SwaPool)
         # host Engram tables (serving/engine/engram_host.py): no table among the parameters; programs take rows
         host_eng = getattr(args, "engram", None) is not None and args.engram.cpu_offload
