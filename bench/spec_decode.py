@@ -135,8 +135,10 @@ def serve(a, argv):
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, cfg.vocab_size, a.prompt_len).tolist() for _ in range(max(batches))]
     spec_prop = make_proposer(eng.args.speculative)
-    eng.proposer = spec_prop  # warm-up: the first steps of a process run slower (allocations, caches)
-    serve_run(eng, prompts[:1], 8, "warmup")
+    for B in batches:  # warm-up of every program both modes time: first executions run slower (loads, caches)
+        for mode in ("plain", "spec"):
+            eng.proposer = _Off() if mode == "plain" else spec_prop
+            serve_run(eng, prompts[:B], 8, f"warmup-{mode}-{B}")
     rows = []
     for B in batches:
         for mode in ("plain", "spec"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -208,6 +209,34 @@ def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> Engine
     return EngineArgs(**kw)
 
 
+# When the server speculates without being asked: a model directory whose draft was trained and measured by
+# training/train_dspark.py (its dspark.json) with a mean accepted length of at least this many tokens (of k + 1),
+# on a GPU, where a verify step of 1 + k rows costs about what a decode step does. Measured for the embedded
+# default model (bench/results/spec_decode_dspark_default_h200.json: 4.4x tokens/s per user at batch 1, 3.7x at
+# batch 8; on this project's 2-core CPU a verify step costs ~(1 + k) decode steps: docs/BENCHMARKS.md).
+# `--speculative-config none` turns it off; any explicit --speculative-config wins.
+DRAFT_MIN_ACCEPTED = 2.0
+DRAFT_RECORD = "dspark.json"
+
+
+def with_measured_draft(args: EngineArgs, model: str, cfg, backend: str) -> EngineArgs:
+    """args with DSpark speculation (k = the trained block's draft tokens) when the flag was not given and the
+    model directory records a draft measured to help (see DRAFT_MIN_ACCEPTED); else args unchanged."""
+    if args.speculative_config is not None or backend != "gpu" or not getattr(cfg, "has_draft", False):
+        return args
+    if not isinstance(model, str) or not os.path.isfile(os.path.join(model, DRAFT_RECORD)):
+        return args
+    if args.engram_config and "cpu_offload" in str(args.engram_config) and "true" in str(args.engram_config):
+        return args  # host Engram tables and speculation are not combined (EngineArgs.resolved says why)
+    with open(os.path.join(model, DRAFT_RECORD)) as f:
+        record = json.load(f)
+    accepted = [e.get("mean_accepted_length", 0.0) for e in record.get("acceptance_greedy_heldout", {}).values()]
+    if not accepted or min(accepted) < DRAFT_MIN_ACCEPTED:
+        return args
+    k = cfg.dspark_block_size
+    return dataclasses.replace(args, speculative_config=json.dumps({"method": "dspark", "num_speculative_tokens": k}))
+
+
 def cache_dir(a) -> str | None:
     d = a.compilation_cache_dir
     if not d or d.lower() == "none":
@@ -244,6 +273,9 @@ def build(a: argparse.Namespace):
     if known is None:  # neither an HF nor an Orbax directory: the loader raises, naming what is missing
         load_model(model, weight_format=a.weight_format)
     args = engine_args(a, known.max_seq_len, jax.default_backend() == "cpu")
+    args = with_measured_draft(args, a.model, known, jax.default_backend())
+    if args.speculative_config:
+        log.info("speculative decoding: %s", args.speculative_config)
     if args.compilation_cache_dir:
         os.makedirs(args.compilation_cache_dir, exist_ok=True)
     spec = _tokenizer_spec(a)

@@ -45,8 +45,9 @@ class SpeculativeConfig:
 
     @staticmethod
     def parse(spec) -> SpeculativeConfig | None:
-        """From the flag's JSON text (or a dict); None / "" / {} = off. Raises ValueError naming the problem."""
-        if spec is None or spec == "" or spec == {}:
+        """From the flag's JSON text (or a dict); None / "" / "none" / {} = off. Raises ValueError naming the
+        problem."""
+        if spec is None or spec == "" or spec == {} or (isinstance(spec, str) and spec.strip().lower() == "none"):
             return None
         if isinstance(spec, SpeculativeConfig):
             return spec
