@@ -40,7 +40,24 @@ class GemmBlock:
 
 
 # (N, K, M) -> the fastest block measured for that FP8 weight shape at M rows (bench/weight_gemms.py).
-TUNED: dict[tuple[int, int, int], GemmBlock] = {}
+# Measured on the H200 (bench/results/weight_gemms_fp8dot_h200.json); shapes and rows where the current kernel won
+# have no entry (the heuristics below).
+TUNED: dict[tuple[int, int, int], GemmBlock] = {
+    (2304, 5120, 1): GemmBlock(bm=1, bn=64, bk=512, splits=5, num_warps=4, num_stages=3, decode="fp8", swap=True, nb=16,
+                               fast_accum=True),
+    (5120, 2304, 1): GemmBlock(bm=2, bn=64, bk=256, splits=3, num_warps=4, num_stages=3, decode="fp8", swap=False, nb=8,
+                               fast_accum=False),
+    (5120, 8192, 1): GemmBlock(bm=1, bn=64, bk=512, splits=4, num_warps=4, num_stages=3, decode="fp8", swap=True, nb=16,
+                               fast_accum=True),
+    (1280, 5120, 1): GemmBlock(bm=1, bn=64, bk=512, splits=5, num_warps=4, num_stages=3, decode="fp8", swap=True, nb=16,
+                               fast_accum=True),
+    (32768, 1280, 1): GemmBlock(bm=2, bn=64, bk=256, splits=1, num_warps=4, num_stages=3, decode="fp8", swap=False,
+                                nb=8, fast_accum=False),
+    (32768, 1280, 8): GemmBlock(bm=8, bn=64, bk=256, splits=1, num_warps=4, num_stages=3, decode="fp8", swap=False,
+                                nb=2, fast_accum=False),
+    (32768, 1280, 64): GemmBlock(bm=64, bn=64, bk=256, splits=1, num_warps=4, num_stages=3, decode="fp8", swap=False,
+                                 nb=1, fast_accum=True),
+}
 
 
 def pow2_divisor(n: int, cap: int, floor: int = 16) -> int:

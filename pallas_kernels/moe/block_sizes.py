@@ -51,7 +51,18 @@ class MoeBlock:
 # these lines); kernel "gmm" (grouped_matmul) or "swiglu" (grouped_swiglu). A problem uses the entry of its (kernel,
 # N, K) with the smallest tuned M >= its M; an FP8-dot entry only when x comes as FP8 codes, its R resized to the
 # expected rows per active expert.
-TUNED: dict[tuple[str, int, int, int], MoeBlock] = {}
+# Measured on the H200 (bench/results/weight_gemms_fp8dot_h200.json): w1/w3 + SwiGLU up to 192 rows; w2 and
+# 1536 rows: the current kernel won (no entry).
+TUNED: dict[tuple[str, int, int, int], MoeBlock] = {
+    ("swiglu", 2304, 5120, 1): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=4, splits=5, layout="official",
+                                        decode="fp8", nb=16, swap=True, fast_accum=True),
+    ("swiglu", 2304, 5120, 6): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=3, splits=2, layout="official",
+                                        decode="fp8", nb=16, swap=True, fast_accum=True),
+    ("swiglu", 2304, 5120, 48): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
+                                         decode="fp8", nb=8, swap=True, fast_accum=True),
+    ("swiglu", 2304, 5120, 192): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
+                                          decode="fp8", nb=8, swap=True, fast_accum=True),
+}
 
 def _splits(programs: int, ksteps: int, target: int) -> int:
     """Smallest power-of-two K split (dividing ksteps) that brings the programs to `target`."""

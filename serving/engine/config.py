@@ -176,7 +176,9 @@ class EngineArgs:
         "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"method\": \"dspark\", "
         "\"num_speculative_tokens\": 5}' (V4.1's draft); k in 1..5; each decode step verifies 1 + k rows per "
-        "request in one program (docs/SERVING.md, Speculative decoding; none: off)", group="speculative decoding"))
+        "request in one program (docs/SERVING.md, Speculative decoding). Not given: the server speculates with the "
+        "model's DSpark draft on a GPU where the model directory records it as measured to help (the embedded default "
+        "model does); none: off", group="speculative decoding"))
     force_mesh: bool = False  # run the sharded programs even on one device (a mesh of size 1; benchmarks)
     parallel: Parallel | None = None  # resolved from the flags above (do not set)
     engram: EngramConfig | None = None  # resolved from engram_config (do not set)
