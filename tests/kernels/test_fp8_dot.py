@@ -151,6 +151,7 @@ def test_grouped_swiglu_fp8_dot(experts, blk):
 
 def test_moe_tuned_pick(monkeypatch):
     """R follows the expected rows per active expert; a tiled entry never serves official weights."""
+    monkeypatch.setattr(moe_bs, "TUNED", {})  # these entries alone (not the measured table)
     blk = MoeBlock(1, 64, 512, decode="fp8", nb=16, swap=True, fast_accum=True)
     monkeypatch.setitem(moe_bs.TUNED, ("swiglu", 2304, 5120, 48), blk)
     monkeypatch.setitem(moe_bs.TUNED, ("gmm", 5120, 2304, 48), MoeBlock(16, 64, 256, layout="tiled"))
@@ -215,3 +216,16 @@ def test_full_shape_lowering():
                      _sd((384, 2304, 160), jnp.uint8), _sd((384,), jnp.int32), _sd((48, 160), jnp.uint8))
     wloads = [ln for ln in ir.splitlines() if "tt.addptr" in ln and "tensor<64x128x!tt.ptr<i8>>" in ln]
     assert wloads and all("xi64>" in ln for ln in wloads), wloads[:1]
+
+
+def test_measured_tables_tile_their_shapes():
+    """Every measured TUNED entry tiles its own (N, K) and resizes to every M it serves (1 .. its M)."""
+    for (N, K, M), b in gemm_bs.TUNED.items():
+        assert N % b.bn == 0 and K % (b.bk * b.splits) == 0, (N, K, M, b)
+        for m in range(1, M + 1):
+            r = gemm_bs.tuned_gemm_block(m, N, K, x_fp8=True)
+            assert r is not None and r.bm * r.nb in (16, 32, 64) and K % (r.bk * r.splits) == 0, (N, K, m, r)
+    for (kind, N, K, M), b in moe_bs.TUNED.items():
+        assert kind in ("swiglu", "gmm") and N % b.bn == 0 and K % (b.bk * b.splits) == 0, (kind, N, K, M, b)
+        r = moe_bs.pick_moe_block(M, N, K, fp4=True, active=min(M, 384), fused=kind == "swiglu", x_fp8=True)
+        assert r.decode == b.decode and N % r.bn == 0 and K % (r.bk * r.splits) == 0, (kind, N, K, M, r)
