@@ -59,7 +59,8 @@ def test_help_documents_the_vllm_style_flags():
 
 
 # ---------------------------------------------------------------------------------------------- flags
-NOT_FLAGS = {"eos_token_ids", "force_mesh", "parallel", "engram", "speculative", "xla_ops"}  # EngineArgs fields not exposed
+# EngineArgs fields not exposed as flags
+NOT_FLAGS = {"eos_token_ids", "force_mesh", "parallel", "engram", "speculative", "xla_ops"}
 
 
 def test_every_engine_arg_is_a_flag_or_named_internal():
