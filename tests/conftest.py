@@ -47,3 +47,32 @@ def tiny32_params(tiny32):
 @pytest.fixture(scope="session")
 def tokens():
     return np.random.default_rng(1234).integers(0, 512, (2, 40)).astype(np.int32)
+
+
+# ------------------------------------------------------------------ CI scheduling (pytest -n 2 --dist loadfile)
+# The slowest files, slowest first (per-file CPU time of a full run, docs/BENCHMARKS.md "CI time"). xdist hands out
+# whole files in collection order (its default reorder, by number of tests per file, is turned off below, since it
+# put these one-test files last, where they ran alone at the end of the run); starting with the long ones lets the
+# many short files fill the other worker meanwhile. Every test still runs; only the order changes.
+SLOW_FIRST = (
+    "test_training_attention_default.py",
+    "test_training_attention.py",
+    "test_engine_pallas.py",
+    "test_parallel.py",
+    "test_default_model.py",
+    "test_notebook.py",
+    "test_api_structured_budget.py",
+    "test_spec_decode.py",
+    "test_default_model_generation.py",
+    "test_engine.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: the others keep their order
