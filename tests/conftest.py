@@ -47,3 +47,36 @@ def tiny32_params(tiny32):
 @pytest.fixture(scope="session")
 def tokens():
     return np.random.default_rng(1234).integers(0, 512, (2, 40)).astype(np.int32)
+
+
+# ------------------------------------------------------------------ CI scheduling (pytest -n 2 --dist loadfile)
+# The slowest files, slowest first (per-file CPU time of a full run, docs/BENCHMARKS.md "CI time"). xdist hands out
+# whole files in collection order (its default reorder, by number of tests per file, is turned off below, since it
+# put these one-test files last, where they ran alone at the end of the run); starting with the long ones lets the
+# many short files fill the other worker meanwhile. Every test still runs; only the order changes.
+SLOW_FIRST = (  # a full run at 559b2ed, seconds per file (setup + call), other jobs sharing the cores
+    "test_engine_pallas.py",  # 971
+    "test_spec_decode.py",  # 935
+    "test_training_attention_default.py",  # 635
+    "test_parallel.py",  # 558
+    "test_paths.py",  # 497
+    "test_engine.py",  # 470
+    "test_training_attention.py",  # 1384 then, ~40% of it since (two whole-model steps of five)
+    "test_engram_host.py",  # 354
+    "test_default_model_generation.py",  # 333
+    "test_api_http.py",  # 318
+    "test_train_dspark.py",  # 293
+    "test_api_structured_budget.py",  # 265
+    "test_default_model.py",  # 262
+    "test_checkpoints.py",  # 246
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: the others keep their order
