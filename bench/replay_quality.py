@@ -359,7 +359,7 @@ def model_section(training: dict) -> list[str]:
         rec = "; ".join(f"{k}: {v['recall']} ({v['random']})" for k, v in e["indexer_recall"].items())
         L.append(f"| indexer recall: attention mass in its top-k on the last training batches (random pick) | {rec} |")
     if "final_indexer_kl" in tr:
-        L.append(f"| indexer KL to the attention it stands for, last training steps | {tr['final_indexer_kl']} |")
+        L.append(f"| indexer KL loss at the end of training (final_indexer_kl) | {tr['final_indexer_kl']} |")
     L += [f"| split | {c['split_rule']}; files {c['files']} |", ""]
     return L
 
