@@ -155,14 +155,23 @@ def summarize(per: dict, cases) -> dict:
 
 
 def run(cfg, params, full: np.ndarray, removed: np.ndarray, n_target: np.ndarray, *, ctx: int, m: int,
-        batch: int, n_new: int, hasher, progress: bool = True, seconds: float | None = None) -> dict:
+        batch: int, n_new: int, hasher, progress: bool = True, seconds: float | None = None,
+        partial: Path | None = None) -> dict:
     """{condition: per-case score arrays} over the windows in order (padded to whole batches); with `seconds`,
-    stop after the batch that ends past that budget."""
+    stop after the batch that ends past that budget. `partial`: an .npz of the cases measured so far, saved
+    after every batch and resumed from (the same cases in the same order)."""
     from tqdm import tqdm
 
     per: dict = {}
-    t0 = time.perf_counter()
-    for i in tqdm(range(0, len(full), batch), desc="cases", unit="batch", disable=not progress):
+    t0, start = time.perf_counter(), 0
+    if partial is not None and partial.exists():
+        z = np.load(partial)
+        for key in z.files:
+            v, k = key.split("/")
+            per.setdefault(v, {})[k] = [z[key]]
+        start = len(z[z.files[0]])
+        print(f"resuming after {start} cases from {partial}")
+    for i in tqdm(range(start, len(full), batch), desc="cases", unit="batch", disable=not progress):
         if seconds is not None and time.perf_counter() - t0 > seconds:
             print(f"time budget spent: {i} of {len(full)} cases measured")
             break
@@ -176,6 +185,8 @@ def run(cfg, params, full: np.ndarray, removed: np.ndarray, n_target: np.ndarray
                 name = v if variants is rq.VARIANTS else "removed"
                 for key, val in score(lg, tgt, nt).items():
                     per.setdefault(name, {}).setdefault(key, []).append(val[:k])
+        if partial is not None:
+            np.savez(partial, **{f"{v}/{k}": np.concatenate(x) for v, d in per.items() for k, x in d.items()})
     return {v: {k: np.concatenate(x) for k, x in d.items()} for v, d in per.items()}
 
 
@@ -254,6 +265,7 @@ def parse(argv=None):
     ap.add_argument("--new", type=int, default=64, help="(c): prompt tokens after the prefix-cache hit")
     ap.add_argument("--cases", type=int, default=0, help="at most this many cases (0: all), a seeded random pick")
     ap.add_argument("--minutes", type=float, default=0, help="stop after the batch that ends past this (0: none)")
+    ap.add_argument("--partial", default=None, help=".npz of the cases measured so far: saved per batch, resumed")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--no-packages", dest="packages", action="store_false")
     ap.add_argument("--stdlib-root", default=None)
@@ -284,7 +296,8 @@ def main(argv=None):
     n_target = np.asarray([c.n_target for c in cases])
     print(f"{len(cases)} cases from {len({c.file for c in cases})} files ({time.perf_counter() - t0:.0f} s)")
     per = run(cfg, params, full, removed, n_target, ctx=a.ctx, m=a.target, batch=a.batch, n_new=a.new, hasher=hasher,
-              progress=not a.smoke, seconds=60 * a.minutes if a.minutes else None)
+              progress=not a.smoke, seconds=60 * a.minutes if a.minutes else None,
+              partial=Path(a.partial) if a.partial else None)
     cases = cases[:len(per["exact"]["correct"])]
     dev = "cpu" if jax.default_backend() == "cpu" else "h200" if "H200" in device_name() else jax.default_backend()
     out = a.out or str(REPO / "bench" / "results" / f"long_context_probe_default_{dev}.json")
