@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -105,23 +106,22 @@ def position_nll(ref, tokens) -> dict:
     return out
 
 
-def _continue(cfg, params, ds, tokens, H: int, n_next: int, first_logits, ref_rows, hasher) -> dict:
-    """Teacher-force tokens [H, H+n_next-1) from state ds (decoder on every row, = decode steps) and compare the
-    n_next predictions (the first from `first_logits`, the prompt's last row) with the exact rows."""
+def _continue(cfg, params, ds, tokens, H: int, n_next: int, first_logits, hasher):
+    """Teacher-force tokens [H, H+n_next-1) from state ds (decoder on every row, = decode steps): the n_next
+    predictions [B, n_next, V] (the first from `first_logits`, the prompt's last row)."""
     cont, _, _ = paths.prefill_chunk(cfg, params, ds, tokens[:, H:H + n_next - 1], mode="full", n_logits=n_next - 1,
                                      hasher=hasher)
-    var = jnp.concatenate([first_logits[:, -1:], cont], axis=1)
-    return compare(ref_rows, var, tokens[:, H:H + n_next])
+    return jnp.concatenate([first_logits[:, -1:], cont], axis=1)
 
 
-def measure_batch(cfg, params, tokens: np.ndarray, Hs, *, n_next: int, chunk: int, n_new: int, hasher,
-                  control: bool = True, ref=None, ced_states: dict | None = None) -> dict:
-    """{variant: {H: per-document metric arrays}} for one batch of documents tokens [B, L].
+def variant_logits(cfg, params, tokens: np.ndarray, Hs, *, n_next: int, chunk: int, n_new: int, hasher,
+                   variants=VARIANTS, ced_states: dict | None = None):
+    """Yield (variant, H, logits [B, n_next, V]) for one batch of documents tokens [B, L]: every variant's
+    predictions of tokens [H, H + n_next) (the module docstring's variants; `variants` picks some).
 
-    Programs compiled (one each, reused for every H and batch): the forward over L-1 tokens; a fresh and (if
-    some H > chunk) a continuing `chunk`-token prefill per pass (bounded; full for the control); the
-    (n_next-1)-token continuation; the W-token replay (decoder on every row) and the (W+n_new)-token replay
-    (decoder on the last W rows). `ref` (the forward's logits over tokens[:, :max(H)+n_next-1]) and
+    Programs compiled (one each, reused for every H and batch): a fresh and (if some H > chunk) a continuing
+    `chunk`-token prefill per pass (bounded; full for the control); the (n_next-1)-token continuation; the
+    W-token replay (decoder on every row) and the (W+n_new)-token replay (decoder on the last W rows).
     `ced_states` ({H: (logits, DecodeState)} of a cold bounded CED prefill of [0, H), e.g. `paths.ced_prefill`
     with max_len L) may be passed in when the caller has them already."""
     W = cfg.window_size
@@ -129,45 +129,58 @@ def measure_batch(cfg, params, tokens: np.ndarray, Hs, *, n_next: int, chunk: in
     Hmax = max(Hs)
     assert Hmax + n_next <= L and all(H % chunk == 0 for H in Hs), (Hs, L, chunk)
     assert all(H - n_new - W >= 0 and (H - n_new - W) % 2 == 0 for H in Hs), "replay starts must be even, >= 0"
-    if ref is None:
-        ref = paths.forward(cfg, params, tokens[:, :Hmax + n_next - 1], hasher=hasher)
-    variants = VARIANTS if control else VARIANTS[1:]
-    out = {v: {} for v in variants}
-    out["position"] = position_nll(ref, tokens)
     states = dict(ced_states or {})
+    need_ced = any(v in variants for v in VARIANTS[1:])  # (b) and (c) start from the cold CED state
     for mode, name in (("full", "exact"), ("bounded", "ced")):
-        if name not in variants:
+        if name not in variants and (name == "exact" or not need_ced or all(H in states for H in Hs)):
             continue
         if name == "ced" and all(H in states for H in Hs):
             for H in Hs:
                 lg, ds = states[H]
-                out[name][H] = _continue(cfg, params, ds, tokens, H, n_next, lg, ref[:, H - 1:H + n_next - 1], hasher)
+                yield name, H, _continue(cfg, params, ds, tokens, H, n_next, lg, hasher)
             continue
         ds = paths.empty_state(cfg, B, L)
         for pos in range(0, Hmax, chunk):
             lg, ds, _ = paths.prefill_chunk(cfg, params, ds, tokens[:, pos:pos + chunk], mode=mode, hasher=hasher)
             H = pos + chunk
             if H in Hs:
-                out[name][H] = _continue(cfg, params, ds, tokens, H, n_next, lg, ref[:, H - 1:H + n_next - 1], hasher)
+                if name in variants:
+                    yield name, H, _continue(cfg, params, ds, tokens, H, n_next, lg, hasher)
                 if name == "ced":
                     states[H] = (lg, ds)
-    for H in Hs:
+    for H in Hs if need_ced else ():
         _, ds = states[H]
-        rows = ref[:, H - 1:H + n_next - 1]
         # (b) prefix-cache hit at H: rebuild the SWA rings by replaying [H-W, H) clipped at H-W; the cached
         # global KV of [0, H) is kept (write_from=H); decoder on every row
-        s = H - W
-        r = _with_history(cfg, hasher, paths.rewind(ds, s), tokens, s)
-        lg, r, _ = paths.prefill_chunk(cfg, params, r, tokens[:, s:H], mode="full", enc_clip=s, write_from=H,
-                                       n_logits=W, hasher=hasher)  # n_logits=W: the continuation's program when
-        out["replay"][H] = _continue(cfg, params, r, tokens, H, n_next, lg, rows, hasher)  # n_next - 1 == W
+        if "replay" in variants:
+            s = H - W
+            r = _with_history(cfg, hasher, paths.rewind(ds, s), tokens, s)
+            lg, r, _ = paths.prefill_chunk(cfg, params, r, tokens[:, s:H], mode="full", enc_clip=s, write_from=H,
+                                           n_logits=W, hasher=hasher)  # n_logits=W: the continuation's program
+            yield "replay", H, _continue(cfg, params, r, tokens, H, n_next, lg, hasher)  # when n_next - 1 == W
         # (c) prompt [0, H) with a cache hit at H - n_new: replay from the hit - W, CED on the prompt's last W rows
-        hit = H - n_new
-        s = hit - W
-        r = _with_history(cfg, hasher, paths.rewind(ds, s), tokens, s)
-        lg, r, _ = paths.prefill_chunk(cfg, params, r, tokens[:, s:H], mode="bounded", enc_clip=s, write_from=hit,
-                                       hasher=hasher)
-        out["served"][H] = _continue(cfg, params, r, tokens, H, n_next, lg, rows, hasher)
+        if "served" in variants:
+            hit = H - n_new
+            s = hit - W
+            r = _with_history(cfg, hasher, paths.rewind(ds, s), tokens, s)
+            lg, r, _ = paths.prefill_chunk(cfg, params, r, tokens[:, s:H], mode="bounded", enc_clip=s,
+                                           write_from=hit, hasher=hasher)
+            yield "served", H, _continue(cfg, params, r, tokens, H, n_next, lg, hasher)
+
+
+def measure_batch(cfg, params, tokens: np.ndarray, Hs, *, n_next: int, chunk: int, n_new: int, hasher,
+                  control: bool = True, ref=None, ced_states: dict | None = None) -> dict:
+    """{variant: {H: per-document metric arrays}} (and "position": the exact NLL by position) for one batch of
+    documents tokens [B, L]: `variant_logits` compared with the exact forward over tokens[:, :max(H)+n_next-1]
+    (`ref`, computed here unless passed in)."""
+    if ref is None:
+        ref = paths.forward(cfg, params, tokens[:, :max(Hs) + n_next - 1], hasher=hasher)
+    variants = VARIANTS if control else VARIANTS[1:]
+    out = {v: {} for v in variants}
+    out["position"] = position_nll(ref, tokens)
+    for v, H, lg in variant_logits(cfg, params, tokens, Hs, n_next=n_next, chunk=chunk, n_new=n_new, hasher=hasher,
+                                   variants=variants, ced_states=ced_states):
+        out[v][H] = compare(ref[:, H - 1:H + n_next - 1], lg, tokens[:, H:H + n_next])
     return out
 
 
@@ -203,13 +216,17 @@ def summarize(per_doc: dict) -> dict:
 
 
 def run(cfg, params, docs: np.ndarray, Hs, *, n_next: int, chunk: int, n_new: int, batch: int, hasher,
-        control: bool = True, progress: bool = True) -> dict:
-    """Measure every document (padded to whole batches; padding rows are dropped) and summarize."""
+        control: bool = True, progress: bool = True, seconds: float | None = None) -> dict:
+    """Measure the documents (padded to whole batches; padding rows are dropped) and summarize; with `seconds`,
+    stop after the batch that ends past that budget ("docs" in the summary: how many were measured)."""
     per, pos = {}, {}
-    n = len(docs)
+    n, done, t0 = len(docs), 0, time.perf_counter()
     from tqdm import tqdm
 
     for i in tqdm(range(0, n, batch), desc="documents", unit="batch", disable=not progress):
+        if seconds is not None and time.perf_counter() - t0 > seconds:
+            print(f"time budget spent: {done} of {n} documents measured")
+            break
         b = docs[i:i + batch]
         k = len(b)
         if k < batch:
@@ -223,9 +240,11 @@ def run(cfg, params, docs: np.ndarray, Hs, *, n_next: int, chunk: int, n_new: in
                 acc = per.setdefault(v, {}).setdefault(H, {key: [] for key in m})
                 for key, val in m.items():
                     acc[key].append(np.asarray(val)[:k])
+        done += k
     per = {v: {H: {k: np.concatenate(x) for k, x in m.items()} for H, m in byH.items()} for v, byH in per.items()}
     out = summarize(per)
     out["nll_by_position"] = {b_: float(np.mean(np.concatenate(x))) for b_, x in pos.items()}
+    out["docs"] = done
     return out
 
 
@@ -314,7 +333,38 @@ def _vs_control(rows: dict) -> str:
             + f" (largest {worst:.5f} nats/token)")
 
 
-def render_doc(result: dict, training: dict | None, img: str) -> str:
+def model_section(training: dict) -> list[str]:
+    """'The default model' section: its facts as training.json records them."""
+    e, tr, c, mo = training["eval"], training["training"], training["corpus"], training["model"]
+    phases = "; ".join(f"{k} (length x batch): {v['steps']} steps, {v['tokens']:,} tokens in {v['seconds']:.0f} s "
+                       f"({tr['tokens_per_second_by_phase'][k]:,} tokens/s)" for k, v in tr.get("phases", {}).items())
+    L = ["## The default model", "",
+         f"`dsv41_jax/default_model` ({mo['name']}): {mo['backbone_params'] / 1e6:.1f}M backbone parameters "
+         f"(+ {mo['engram_table_params'] / 1e6:.2f}M Engram table rows), {mo['max_seq_len'] // 1024}K context, "
+         f"trained by `python -m training.train_default` on {tr.get('n_devices', 1)} {tr['device']} in "
+         f"{tr['train_seconds']:.0f} s (+ {tr.get('compile_seconds', 0):.0f} s compiling): {tr['steps']} steps, "
+         f"{tr.get('tokens_seen', 0):,} tokens at {tr['tokens_per_second']:,} tokens/s, {tr['epochs']} epochs over "
+         f"{c['tokens']['train']:,} training tokens ({c['files']['train']:,} files of Python {c['python']}'s standard "
+         f"library and installed packages, with chat and tool-call documents); checkpoint of step {tr['best_step']}, "
+         "the best validation loss." + (f" Phases: {phases}." if phases else ""), "",
+         "| metric | value |", "|---|---|"]
+    for key, what in (("heldout", "all held-out"), ("heldout_stdlib", "stdlib"), ("heldout_packages", "packages")):
+        if key in e:
+            h = e[key]
+            L.append(f"| held-out loss, {what} ({h['files']} files, {e['window']}-token windows) | {h['loss']} "
+                     f"nats/token, {h['bits_per_byte']} bits/byte ({h['tokens']:,} tokens) |")
+    if "valid_loss_best" in e:
+        L.append(f"| best validation loss | {e['valid_loss_best']} nats/token |")
+    if e.get("indexer_recall"):
+        rec = "; ".join(f"{k}: {v['recall']} ({v['random']})" for k, v in e["indexer_recall"].items())
+        L.append(f"| indexer recall: attention mass in its top-k on the last training batches (random pick) | {rec} |")
+    if "final_indexer_kl" in tr:
+        L.append(f"| indexer KL loss at the end of training (final_indexer_kl) | {tr['final_indexer_kl']} |")
+    L += [f"| split | {c['split_rule']}; files {c['files']} |", ""]
+    return L
+
+
+def render_doc(result: dict, training: dict | None, img: str, extra: str = "") -> str:
     r = result["result"] if "result" in result else result
     L = [
         "# Quality of the default model, and the cost of CED trimming and SWA bounded replay", "",
@@ -323,29 +373,15 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
         "`python -m bench.replay_quality --render FILE`).", "",
     ]
     if training:
-        e, tr, c = training["eval"], training["training"], training["corpus"]
-        rec = "; ".join(f"{k}: {v['recall']} ({v['random']})" for k, v in e.get("indexer_recall", {}).items())
-        L += ["## The default model", "",
-              f"`dsv41_jax/default_model`: {training['model']['backbone_params'] / 1e6:.1f}M backbone parameters "
-              f"(+ {training['model']['engram_table_params'] / 1e6:.2f}M Engram table rows), 8K context, trained "
-              f"by `python -m training.train_default` on one {tr['device']} in {tr['train_seconds']:.0f} s "
-              f"({tr['tokens_per_second']:,} tokens/s, {tr['steps']} steps, {tr['epochs']} epochs over "
-              f"{c['tokens']['train']:,} training tokens of Python {c['python']}'s standard library and installed "
-              "packages; checkpoint of "
-              f"step {tr['best_step']}, the best validation loss).", "",
-              "| metric | value |", "|---|---|",
-              f"| held-out loss ({e['heldout']['files']} files, {e['window']}-token windows) | "
-              f"{e['heldout']['loss']} nats/token, {e['heldout']['bits_per_byte']} bits/byte "
-              f"({e['heldout']['tokens']:,} tokens) |",
-              f"| indexer recall: attention mass in its top-k on the last training batches (random pick) | {rec} |",
-              f"| split | {c['split_rule']}; files {c['files']} |", ""]
+        L += model_section(training)
     if r.get("nll_by_position"):
         L += ["Held-out NLL of the exact forward by position in the document (longer context, lower loss):", "",
               "| positions | " + " | ".join(r["nll_by_position"]) + " |",
               "|---|" + "---|" * len(r["nll_by_position"]),
               "| NLL (nats/token) | " + " | ".join(f"{v:.3f}" for v in r["nll_by_position"].values()) + " |", ""]
+    src = f" ({r['source']})" if r.get("source") else ""
     L += ["## Replay and trimming", "", METHOD, "",
-          f"Here: {r['docs']} held-out documents of {r['doc_len']} tokens, turn boundaries H = "
+          f"Here: {r['docs']} held-out documents of {r['doc_len']} tokens{src}, turn boundaries H = "
           f"{', '.join(map(str, r['H']))}, the next {r['next_tokens']} tokens scored, prefill chunks of {r['chunk']}, "
           f"(c) with a cache hit {r['new_tokens']} tokens before H.", "",
           f"![NLL difference against H]({img})", "",
@@ -388,6 +424,8 @@ def render_doc(result: dict, training: dict | None, img: str) -> str:
               "```python", smp["prompt_tail"].rstrip("\n"), "# ---- model continues ----", smp["completion"], "```",
               "", "The file itself continues:", "", "```python", smp["reference"], "```"]
     L += ["", f"Device: {r['device']}; command: `{result.get('command', '')}`.", ""]
+    if extra:
+        L += [extra]
     return "\n".join(L)
 
 
@@ -403,9 +441,12 @@ def parse(argv=None):
     ap.add_argument("--new", type=int, default=64, help="(c): prompt tokens after the prefix-cache hit")
     ap.add_argument("--batch", type=int, default=16, help="documents per batch")
     ap.add_argument("--stdlib-root", default=None)
+    ap.add_argument("--minutes", type=float, default=0, help="stop after the batch that ends past this (0: none)")
     ap.add_argument("--out", default=None, help="results JSON (default bench/results/replay_quality_<dev>.json)")
     ap.add_argument("--plot", default=str(REPO / "docs" / "img" / "replay_quality.png"))
     ap.add_argument("--doc", default=str(REPO / "docs" / "QUALITY.md"))
+    ap.add_argument("--probe", default=str(REPO / "bench" / "results" / "long_context_probe_default_cpu.json"),
+                    help="long-context probe results (bench.long_context_probe) whose table the doc ends with")
     ap.add_argument("--render", default=None, help="only draw the plot and write the doc from this results JSON")
     ap.add_argument("--no-control", dest="control", action="store_false", help="skip the exact control")
     ap.add_argument("--smoke", action="store_true",
@@ -426,7 +467,12 @@ def write_outputs(rec: dict, a, checkpoint: Path):
         plot(rec, Path(a.plot))
     if a.doc:
         img = Path(a.plot).relative_to(Path(a.doc).parent) if a.plot else ""
-        Path(a.doc).write_text(render_doc(rec, training, str(img)))
+        extra = ""
+        if a.probe and Path(a.probe).exists():
+            from bench.long_context_probe import render_section
+
+            extra = render_section(json.loads(Path(a.probe).read_text()))
+        Path(a.doc).write_text(render_doc(rec, training, str(img), extra))
 
 
 def main(argv=None):
@@ -445,18 +491,23 @@ def main(argv=None):
     cfg, params = load(ckpt, progress=False)
     tok = corpus.load_tokenizer(ckpt)
     hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
+    source = "the check documents of training.json"
     if a.smoke:  # the stored check texts: the same documents on every machine and Python version
         docs = corpus.check_windows(tok, json.loads((ckpt / "training.json").read_text())["check"]["texts"],
                                     a.doc_len)
     else:
         held = corpus.split(corpus.list_files(a.stdlib_root))["heldout"]
         docs = corpus.replay_documents(tok, held, a.doc_len, a.docs)
+        n_test = sum(corpus.is_test(f.rel) for f in held)
+        source = (f"the held-out files of this machine's standard library (Python {platform.python_version()}: "
+                  f"{len(held)} files, {n_test} of them in test suites), in split order")
     if len(docs) < a.docs:
         print(f"warning: only {len(docs)} held-out documents of {a.doc_len} tokens (asked for {a.docs})")
     Hs = tuple(int(h) for h in a.H.split(","))
     summary = run(cfg, params, docs, Hs, n_next=a.next, chunk=a.chunk, n_new=a.new, batch=a.batch, hasher=hasher,
-                  control=a.control, progress=not a.smoke)
+                  control=a.control, progress=not a.smoke, seconds=60 * a.minutes if a.minutes else None)
     by_pos = summary.pop("nll_by_position")
+    docs = docs[:summary.pop("docs")]
     sample = None if a.smoke else sample_completion(cfg, params, tok, docs[0], Hs[0], 64, hasher)
     dev = "cpu" if jax.default_backend() == "cpu" else "h200" if "H200" in device_name() else jax.default_backend()
     out = a.out or str(REPO / "bench" / "results" / f"replay_quality_{dev}.json")
@@ -465,7 +516,7 @@ def main(argv=None):
     result = {"model": name, "checkpoint": str(ckpt), "device": device_name(), "docs": int(len(docs)),
               "doc_len": a.doc_len, "H": list(Hs), "next_tokens": a.next, "chunk": a.chunk, "new_tokens": a.new,
               "window": cfg.window_size, "seconds": round(time.perf_counter() - t0, 1), "summary": summary,
-              "sample": sample, "nll_by_position": by_pos,
+              "sample": sample, "nll_by_position": by_pos, "source": source,
               "file": str(Path(out).resolve().relative_to(REPO)) if Path(out).resolve().is_relative_to(REPO) else out}
     cmd = "python -m bench.replay_quality " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     rec = write_result(out, result, cmd.strip())
