@@ -469,7 +469,7 @@ def write_outputs(rec: dict, a, checkpoint: Path):
         img = Path(a.plot).relative_to(Path(a.doc).parent) if a.plot else ""
         extra = ""
         if a.probe and Path(a.probe).exists():
-            from bench.long_context_probe import render_section
+            from bench.long_context_report import render_section
 
             extra = render_section(json.loads(Path(a.probe).read_text()))
         Path(a.doc).write_text(render_doc(rec, training, str(img), extra))
