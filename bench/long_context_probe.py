@@ -44,7 +44,7 @@ import numpy as np
 import dsv41_jax  # noqa: F401
 from bench import long_context_cases as lc
 from bench import replay_quality as rq
-from bench.long_context_report import CONDITIONS, LABELS, pm, render_section  # noqa: F401  (render_section: re-export)
+from bench.long_context_report import CONDITIONS, pm
 from training import corpus
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,6 +21,7 @@ from pathlib import Path
 from serving.api.openai_format import SPEC_METRICS_LEVELS
 from serving.api.server import TOOL_PARSERS, ServerConfig
 from serving.engine.config import CPU_SERVER_DEFAULTS, FIELD_DEFAULT, EngineArgs, Flag
+from serving.engine.engram_host import EngramConfig
 
 PRESETS = ("tiny", "small", "medium", "full")
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "dsv41_jax" / "default_model")
@@ -211,10 +212,10 @@ def engine_args(a: argparse.Namespace, max_seq_len: int, on_cpu: bool) -> Engine
 
 # When the server speculates without being asked: a model directory whose draft was trained and measured by
 # training/train_dspark.py (its dspark.json) with a mean accepted length of at least this many tokens (of k + 1),
-# on a GPU, where a verify step of 1 + k rows costs about what a decode step does. Measured for the embedded
-# default model (bench/results/spec_decode_dspark_default_h200.json: 4.4x tokens/s per user at batch 1, 3.7x at
-# batch 8; on this project's 2-core CPU a verify step costs ~(1 + k) decode steps: docs/BENCHMARKS.md).
-# `--speculative-config none` turns it off; any explicit --speculative-config wins.
+# on a GPU. Measured for the embedded default model (bench/results/spec_decode_dspark_default_h200.json: up to
+# 4.4x tokens/s per user at batch 1, 3.7x at batch 8; on this project's 2-core CPU a verify step took 1.7x / 2.9x
+# a plain step's time at batch 1 / 8, for 1.61x / 1.19x: bench/results/spec_decode_dspark_default_cpu.json,
+# docs/BENCHMARKS.md). `--speculative-config none` turns it off; any explicit --speculative-config wins.
 DRAFT_MIN_ACCEPTED = 2.0
 DRAFT_RECORD = "dspark.json"
 
@@ -226,7 +227,7 @@ def with_measured_draft(args: EngineArgs, model: str, cfg, backend: str) -> Engi
         return args
     if not isinstance(model, str) or not os.path.isfile(os.path.join(model, DRAFT_RECORD)):
         return args
-    if args.engram_config and "cpu_offload" in str(args.engram_config) and "true" in str(args.engram_config):
+    if EngramConfig.parse(args.engram_config).resolved(cfg).cpu_offload:
         return args  # host Engram tables and speculation are not combined (EngineArgs.resolved says why)
     with open(os.path.join(model, DRAFT_RECORD)) as f:
         record = json.load(f)

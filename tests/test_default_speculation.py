@@ -12,7 +12,7 @@ from serving.engine.engine import model_config_of
 from serving.engine.spec_decode import SpeculativeConfig
 
 ARGS = EngineArgs(max_model_len=256)
-DRAFTED = SimpleNamespace(has_draft=True, dspark_block_size=4)
+DRAFTED = SimpleNamespace(has_draft=True, dspark_block_size=4, engram_layer_ids=())
 
 
 def _model_dir(tmp_path, accepted):
@@ -28,7 +28,7 @@ def test_the_rule(tmp_path):
     on = run.with_measured_draft(ARGS, good, DRAFTED, "gpu")
     assert SpeculativeConfig.parse(on.speculative_config) == SpeculativeConfig.parse(
         {"method": "dspark", "num_speculative_tokens": 4})
-    assert run.with_measured_draft(ARGS, good, DRAFTED, "cpu") is ARGS  # a verify step costs ~(1 + k) steps there
+    assert run.with_measured_draft(ARGS, good, DRAFTED, "cpu") is ARGS  # not the CPU default (serving/run.py says why)
     assert run.with_measured_draft(ARGS, good, SimpleNamespace(has_draft=False), "gpu") is ARGS
     for explicit in ("none", '{"method": "ngram", "num_speculative_tokens": 3}'):
         a = dataclasses.replace(ARGS, speculative_config=explicit)
@@ -38,6 +38,11 @@ def test_the_rule(tmp_path):
     assert run.with_measured_draft(ARGS, weak, DRAFTED, "gpu") is ARGS
     assert run.with_measured_draft(ARGS, str(tmp_path / "unmeasured"), DRAFTED, "gpu") is ARGS
     assert run.with_measured_draft(ARGS, "medium", DRAFTED, "gpu") is ARGS  # a preset: random weights
+    engram = SimpleNamespace(has_draft=True, dspark_block_size=4, engram_layer_ids=(1,))
+    host = dataclasses.replace(ARGS, engram_config='{"cpu_offload": true}')  # not combined with speculation
+    assert run.with_measured_draft(host, good, engram, "gpu") is host
+    dev = dataclasses.replace(ARGS, engram_config='{"cpu_offload": false}')
+    assert run.with_measured_draft(dev, good, engram, "gpu").speculative_config is not None
 
 
 def test_the_embedded_default_model_qualifies():

@@ -5,6 +5,7 @@ import numpy as np
 
 from bench import long_context_cases as lc
 from bench import long_context_probe as probe
+from bench import long_context_report as report
 from training import corpus
 
 
@@ -131,8 +132,8 @@ def test_summarize_and_render_read_context_use():
                                       "min_dist": 4000, "max_dist": 7000, "median_distance": 5000, "ctx": 7168,
                                       "per_file": 4, "device": "cpu", "seconds": 1.0,
                                       "per_case": [{"name": "a", "file": "f", "distance": 5000, "exact": True}]}}
-    text = probe.render_section(rec)
+    text = report.render_section(rec)
     assert "**uses** the long context" in text and text.count("\n| ") == 6  # header + 5 conditions
     per["removed"] = per["exact"]
     same = {**rec, "result": {**rec["result"], "summary": probe.summarize(per, cases)}}
-    assert "does **not** measurably use" in probe.render_section(same)
+    assert "does **not** measurably use" in report.render_section(same)
