@@ -77,9 +77,58 @@ SLOW_FIRST = (  # a full run at 559b2ed, seconds per file (setup + call), other 
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the restart limit when it makes its session
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    # A crashed worker fails the run at once, naming its test. Replacing it instead hung `--dist loadfile` until
+    # CI's time limit (pytest-xdist's known hang; seen on 676a485).
+    if hasattr(config.option, "maxworkerrestart") and config.option.maxworkerrestart is None:
+        config.option.maxworkerrestart = "0"
+
+
+# ------------------------------------------------------------------ one worker runs many files: free their programs
+# An XLA:CPU executable of a whole tiny model maps ~1,250 memory regions (its JIT-linked kernels); a tiny engine's
+# four programs ~5,000. A worker that kept every file's programs alive (engines held by jit caches of library
+# functions, paths compiled per config) reached Linux's limit of 65,530 mappings; the next JIT link then failed
+# and the C++ exception it raised crashed in the unwinder (a registered frame of the half-linked code was already
+# unmapped): segfaults in compile, serialize or deserialize at varying places (CI of 9712819 and 676a485; a core
+# of one held 65,432 mappings). After each file its programs are freed; the shared servers' stay.
+MAP_WARN = 45_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _log_mappings(request):
+    """$DSV41_TEST_MAPS_LOG: append each test's mapping count to that file (to find what keeps programs alive)."""
+    yield
+    path = os.environ.get("DSV41_TEST_MAPS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {_mappings()} {request.node.nodeid}\n")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_programs_after_each_file(request):
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    n = _mappings()
+    if n > MAP_WARN:
+        import warnings
+
+        warnings.warn(f"{n} memory mappings after {request.node.name} (the limit is ~65,530): programs kept alive",
+                      stacklevel=1)
 
 
 def pytest_collection_modifyitems(config, items):
