@@ -2,9 +2,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The xdist workers (and their server subprocesses) share one persistent compilation cache. With no size limit JAX
-# reads and writes its entries without a lock, and a worker that read an entry the other was still writing crashed
-# XLA (a segfault deserialising a partial executable in tests/test_replay_quality.py, CI run of 9712819). A size
-# limit turns on JAX's file lock around every cache read and write; 64 GiB is never reached.
+# reads and writes its entries without a lock (a reader could see a half-written entry: a decompression error and a
+# recompile); a size limit turns on JAX's file lock around every read and write. 64 GiB is never reached. (The CI
+# segfaults once blamed on this were the memory-mapping limit: see _free_programs_after_each_file below.)
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 * 2 ** 30))
 # CPU tests: LLVM at -O0 compiles the many small programs ~40% faster (results are still bit-for-bit
 # comparable between paths, which all run under the same flags).
