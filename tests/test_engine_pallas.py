@@ -37,15 +37,12 @@ def _engines():
     from dsv41_jax.params import init_params
     from serving.engine.config import shared_cache_dir
 
-    jax.config.update("jax_compilation_cache_dir", shared_cache_dir())  # the XLA engine's programs
+    jax.config.update("jax_compilation_cache_dir", shared_cache_dir())
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     tiny = ModelConfig.preset("tiny")
     params = jax.jit(lambda: init_params(tiny, 0))()
     cfg = tiny.replace(window_size=64)
     xla = Engine(cfg, EngineArgs(**ARGS), params=params, progress=False)
-    # The interpret-mode Pallas programs are not written to the persistent compilation cache: no later run of this
-    # file reuses them, and they are large.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     pal = Engine(cfg, EngineArgs(**ARGS, kernels="pallas"), params=params, progress=False)
     return xla, pal
 
@@ -80,8 +77,8 @@ def collect() -> dict:
 
 
 def test_pallas_engine_equals_xla_engine():
-    """In a fresh interpreter, so the two engines' large interpret-mode programs never add to a test worker's memory
-    mappings (tests/conftest.py `_free_programs_after_each_file`: a worker at Linux's mapping limit crashed)."""
+    """In a fresh interpreter, so the two engines' programs never add to a test worker's memory mappings
+    (tests/conftest.py `_free_programs_after_each_file`: a worker at Linux's mapping limit crashed)."""
     if missing_pallas_ops():
         pytest.skip(f"ops without a Pallas version: {missing_pallas_ops()}")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
