@@ -91,12 +91,12 @@ def pytest_configure(config):
 
 # ------------------------------------------------------------------ one worker runs many files: free their programs
 # An XLA:CPU executable of a whole tiny model maps ~900-1,250 memory regions (its JIT-linked kernels); a tiny
-# engine's four programs 3,700-5,100 (python -m bench.cpu_engine_build). A worker that kept every file's programs alive (engines
-# held by jit caches of library functions, paths compiled per config) reached Linux's limit of 65,530 mappings; the
-# next JIT link then failed and the C++ exception it raised crashed in the unwinder (a registered frame of the
-# half-linked code was already unmapped): segfaults in compile, serialize or deserialize at varying places (CI of
-# 9712819 and 676a485; a core of one held 65,432 mappings). After each file its programs are freed; the shared
-# servers' stay.
+# engine's four programs 3,700-5,100 (python -m bench.cpu_engine_build). A worker that kept every file's programs
+# alive (engines held by jit caches of library functions, paths compiled per config) reached Linux's limit of
+# 65,530 mappings; the next JIT link then failed and the C++ exception it raised crashed in the unwinder (a
+# registered frame of the half-linked code was already unmapped): segfaults in compile, serialize or deserialize
+# at varying places (CI of 9712819 and 676a485; a core of one held 65,432 mappings). After each file its programs
+# are freed; the shared servers' stay.
 MAP_WARN = 45_000
 
 
