@@ -217,21 +217,22 @@ def draft_cost(cfg, params, B: int, k: int, reps: int) -> float | None:
     pos = jnp.asarray(4096 + np.arange(T)[None].repeat(B, 0), jnp.int32)
     valid = jnp.ones((B, T), bool)
     anchor = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
-    rings = jax.jit(lambda r: dspark.write_context(cfg, params, r, jnp.tile(x, (1, W // T + 1, 1))[:, :W],
-                                                   (pos[:, :1] - W + jnp.arange(W))[:, :W], jnp.ones((B, W), bool)))(
-        rings)
+    # the parameters are arguments, never closed over: a closure would embed them in the program as constants
+    rings = jax.jit(lambda p, r: dspark.write_context(cfg, p, r, jnp.tile(x, (1, W // T + 1, 1))[:, :W],
+                                                      (pos[:, :1] - W + jnp.arange(W))[:, :W],
+                                                      jnp.ones((B, W), bool)))(params, rings)
 
     @jax.jit
-    def step(r, key):
-        r = dspark.write_context(cfg, params, r, x, pos, valid)
-        return dspark.propose(cfg, params, r, anchor, pos[:, -1] + 1, key, jnp.zeros((B,)), k=k).tokens
+    def step(p, r, x, pos, valid, anchor, key):
+        r = dspark.write_context(cfg, p, r, x, pos, valid)
+        return dspark.propose(cfg, p, r, anchor, pos[:, -1] + 1, key, jnp.zeros((B,)), k=k).tokens
 
     key = jax.random.key(0)
-    jax.block_until_ready(step(rings, key))
+    jax.block_until_ready(step(params, rings, x, pos, valid, anchor, key))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(step(rings, key))
+        jax.block_until_ready(step(params, rings, x, pos, valid, anchor, key))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -249,6 +250,18 @@ def ngram_cost(B: int, context: int, k: int, reps: int = 5) -> float:
             ngram_draft(s, k, 2, 5)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def _save_cost(a, argv, eng, acc, L, build, build_error, rows) -> dict:
+    res = {"preset": a.preset, "kernels": eng.args.kernels, "acceptance": acc, "mean_acceptance_length": L,
+           "engine_build_s": round(build, 1), "build_error": build_error,
+           "note": "implied speedup computed from measured step costs at the "
+           "given acceptance (random weights accept nothing), not served", "rows": rows}
+    if a.out:
+        from bench.common import write_result
+
+        write_result(a.out, res, "python -m bench.spec_decode " + _argv(argv))
+    return res
 
 
 def cost(a, argv):
@@ -294,7 +307,7 @@ def cost(a, argv):
     fill_pools(eng)
     t_start = time.perf_counter()  # the budget counts the measurements (the build is bounded by its programs)
     rng = np.random.default_rng(0)
-    rows = []
+    rows, res = [], {}
     for B in batches:
         row = {"batch": B, "context": a.context, "k": a.k}
         if a.budget and time.perf_counter() - t_start > a.budget:
@@ -319,14 +332,7 @@ def cost(a, argv):
             row["implied_speedup"] = round(L * row["decode_ms"] / (row["verify_ms"] + row["draft_ms"]), 3)
         rows.append(row)
         print(row, file=sys.stderr, flush=True)
-    res = {"preset": a.preset, "kernels": eng.args.kernels, "acceptance": acc, "mean_acceptance_length": L,
-           "engine_build_s": round(build, 1), "build_error": build_error,
-           "note": "implied speedup computed from measured step costs at the "
-           "given acceptance (random weights accept nothing), not served", "rows": rows}
-    if a.out:
-        from bench.common import write_result
-
-        write_result(a.out, res, "python -m bench.spec_decode " + _argv(argv))
+        res = _save_cost(a, argv, eng, acc, L, build, build_error, rows)  # after each row: a timeout keeps them
     print(f"acceptance {acc} -> mean accepted length {L:.2f} (computed, not served)")
     print(f"{'B':>3} {'decode ms':>9} {'verify ms':>9} {'draft ms':>8} {'draft':>12} {'speedup':>7}")
     for r in rows:
