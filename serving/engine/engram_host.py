@@ -21,9 +21,9 @@ rows a call needs and that are not ready by its dispatch sit on the critical pat
   layer is gathered, so the copy overlaps the next layer's gather and the engine thread waits only for the last;
 - a call needing few rows that were not prefetched (at most INLINE_ROWS: decode batches up to 85 requests of the
   full model) hashes and gathers them on the engine thread, in one vectorised hash and one fancy index: a few
-  tenths of a millisecond, cheaper than handing work to a thread and waiting for it (each handoff waits on the
-  GIL, whose switch interval is 5 ms while the engine thread runs Python). Larger decode batches are started on a
-  worker when the previous step's tokens are collected (`prefetch_decode`);
+  tenths of a millisecond, with no handoff to a thread and back (each one a GIL round trip; the device is idle
+  between collecting a step and dispatching the next, so a worker would not overlap anything). Larger decode
+  batches are started on a worker when the previous step's tokens are collected (`prefetch_decode`);
 - `inputs` (at dispatch, on the engine thread) takes an eager one-chunk span's device arrays as they are, or
   copies the call's spans into a fresh [B, T] staging buffer per layer (never reused: the device copy may still
   read it) and copies that to the device (`put`: the program's input sharding). The time it spends is the
