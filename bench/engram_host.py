@@ -1,17 +1,20 @@
 """Engram tables in host memory vs on the device (issue 26), and the host lookup at the full model's table size.
 
-    python -m bench.engram_host --out /root/out/engram_host_medium_h200.json        # H200, ~5 min warm
+    python -m bench.engram_host --skip part2 --budget 330 --out /root/out/engram_host_medium_h200.json  # H200
     python -m bench.engram_host --smoke --out /tmp/engram_host_smoke.json                # CPU, tiny
 
 Part 1 (one process, one set of weights): two engines over the same parameters, one with the Engram tables as
 device parameters, one with `--engram-config '{"cpu_offload": true}'` (the tables copied to host memory, rows
-gathered by the feeder's threads and copied in before each call). Measured alternately on each:
+gathered by the feeder and copied in before each call). The cases:
 - decode ITL at batch 1, 8, 32 (requests injected at `--context` tokens with random well-formed KV bytes, as
-  bench.decode_itl; median wall time of Engine.step());
-- prefill: TTFT of fresh `--chunk`-token prompts (one chunk each, the Engram rows gathered when the chunk is
-  scheduled: the least overlap) and TTFT / 4 of `4 x --chunk`-token prompts (four chunks: the next chunk's rows
-  gathered while this one runs), prefix caching off;
+  bench.decode_itl; the wall time of each Engine.step() after `--warmup` steps, `--steps` per round);
+- prefill: TTFT of fresh `--chunk`-token prompts (one chunk each, `--prefill-reps` per round; the Engram rows
+  gathered from when the request is added: the least overlap) and TTFT / 4 of `4 x --chunk`-token prompts (four
+  chunks, `--prefill-reps-long` per round: the next chunk's rows gathered while this one runs), prefix caching off;
 - the feeder's own figures: lookup and wait histograms (mean ms per call), prefetch misses.
+A discarded warm-up pass runs every case once on both engines; then `--rounds` rounds run every case on both,
+one engine after the other (which goes first alternates by round), so drift of the machine hits both sides.
+Per case: the median over all samples of all rounds, its p90, each round's median and each round's overhead.
 overhead = host / device - 1 (the issue's targets: decode <= 3%, prefill <= 5%).
 
 Part 2 (a subprocess, so that running out of host memory cannot lose part 1): host tables of the full model's
@@ -88,27 +91,25 @@ def _ttft(eng, prompt_len: int, reps: int, rng) -> list[float]:
     return ts
 
 
-def _feeder_stats(eng) -> dict:
+def _feeder_snapshot(eng) -> dict:
+    """The feeder's cumulative figures (lookup / wait sums and counts, prefetch misses)."""
     if eng.engram is None:
         return {}
     m = eng.metrics.snapshot()
     h = m["histograms"]
-    mean = lambda k: round(1000 * h[k]["sum"] / max(h[k]["count"], 1), 4)  # noqa: E731
-    return {"lookup_ms_mean": mean("engram_lookup"), "wait_ms_mean": mean("engram_wait"),
-            "calls": h["engram_lookup"]["count"], "prefetch_misses": m["counters"]["engram_prefetch_misses"],
-            "tables": eng.engram.tables.describe()}
+    return {"lookup_s": h["engram_lookup"]["sum"], "wait_s": h["engram_wait"]["sum"],
+            "calls": h["engram_lookup"]["count"], "misses": m["counters"]["engram_prefetch_misses"]}
 
 
-def _reset_feeder(eng):
-    if eng.engram is not None:
-        from serving.engine.metrics import Histogram
-
-        for k in ("engram_lookup", "engram_wait"):
-            eng.metrics.hist[k] = Histogram(eng.metrics.hist[k].buckets)
-        eng.metrics.counters["engram_prefetch_misses"] = 0
+def _feeder_delta(eng, before: dict, acc: dict):
+    after = _feeder_snapshot(eng)
+    for k, v in after.items():
+        acc[k] = acc.get(k, 0) + v - before[k]
 
 
 def part1(a, cfg, rows: list, save):
+    """Every case on both engines, alternately, over `--rounds` rounds (the side that goes first alternates too);
+    a discarded warm-up pass first. Per case: the median over all samples and each round's overhead."""
     from bench.decode_itl import fill_pools, measure
 
     e = _engines(a, cfg)
@@ -117,53 +118,83 @@ def part1(a, cfg, rows: list, save):
     for side in ("device", "host"):
         fill_pools(e[side])
     rng = np.random.default_rng(0)
-    for B in a.batches:
+    cases = [("decode", B) for B in a.batches] + [("prefill", 1), ("prefill", 4)]
+    acc = {(c, k, side): {"samples": [], "rounds": [], "host_ms": [], "feeder": {}}
+           for c, k in cases for side in ("device", "host")}
+    errors = {}
+
+    def run(case, k, side, record: bool):
+        eng = e[side]
+        before = _feeder_snapshot(eng)
+        if case == "decode":
+            ts, host_ms = measure(eng, k, a.context, a.steps, a.warmup, rng)
+        else:
+            ts = _ttft(eng, k * a.chunk, a.prefill_reps if k == 1 else a.prefill_reps_long, rng)
+            ts, host_ms = [t / k for t in ts], None  # per chunk
+        if record:
+            r = acc[(case, k, side)]
+            r["samples"] += ts
+            r["rounds"].append(statistics.median(ts))
+            if host_ms is not None:
+                r["host_ms"].append(host_ms)
+            _feeder_delta(eng, before, r["feeder"])
+
+    for rnd in range(-1, a.rounds):  # -1: warm-up (every program, transfer shape and feeder path once)
+        for case, k in cases:
+            for side in (("device", "host") if rnd % 2 == 0 else ("host", "device")):
+                if (case, k, side) in errors:
+                    continue
+                if a.budget and time.perf_counter() - a.t_start > a.budget:
+                    errors.setdefault((case, k, side), f"budget exhausted in round {rnd}")
+                    continue
+                try:
+                    if rnd < 0:
+                        run(case, k, side, False) if case == "prefill" else \
+                            measure(e[side], k, a.context, 2, 1, rng)
+                    else:
+                        run(case, k, side, True)
+                except Exception as ex:  # noqa: BLE001 - an error row, the run goes on
+                    errors[(case, k, side)] = f"{type(ex).__name__}: {ex}"
+        print(f"round {rnd} done at {time.perf_counter() - a.t_start:.0f} s", file=sys.stderr, flush=True)
+    for case, k in cases:
         for side in ("device", "host"):
-            if a.budget and time.perf_counter() - a.t_start > a.budget:
-                rows.append({"case": "decode", "side": side, "batch": B, "error": "budget exhausted"})
-                continue
-            eng = e[side]
-            try:
-                _reset_feeder(eng)
-                ts, host_ms = measure(eng, B, a.context, a.steps, a.warmup, rng)
-                rows.append({"case": "decode", "side": side, "batch": B, "context": a.context,
-                             "itl_ms": round(1000 * statistics.median(ts), 3),
-                             "itl_ms_p90": round(1000 * float(np.percentile(ts, 90)), 3),
-                             "host_ms_per_step": round(host_ms, 3), **_feeder_stats(eng)})
-            except Exception as ex:  # noqa: BLE001 - an error row, the run goes on
-                rows.append({"case": "decode", "side": side, "batch": B, "error": f"{type(ex).__name__}: {ex}"})
-            print(rows[-1], file=sys.stderr, flush=True)
-            save()
-    for n_chunks in (1, 4):
-        for side in ("device", "host"):
-            if a.budget and time.perf_counter() - a.t_start > a.budget:
-                rows.append({"case": "prefill", "side": side, "chunks": n_chunks, "error": "budget exhausted"})
-                continue
-            eng = e[side]
-            try:
-                _ttft(eng, n_chunks * a.chunk, 1, rng)  # warm-up
-                _reset_feeder(eng)
-                ts = _ttft(eng, n_chunks * a.chunk, a.prefill_reps, rng)
-                rows.append({"case": "prefill", "side": side, "chunk": a.chunk, "chunks": n_chunks,
-                             "ttft_ms": round(1000 * statistics.median(ts), 2),
-                             "ms_per_chunk": round(1000 * statistics.median(ts) / n_chunks, 2), **_feeder_stats(eng)})
-            except Exception as ex:  # noqa: BLE001
-                rows.append({"case": "prefill", "side": side, "chunks": n_chunks,
-                             "error": f"{type(ex).__name__}: {ex}"})
-            print(rows[-1], file=sys.stderr, flush=True)
-            save()
-    for r in rows:  # host / device - 1
-        if r.get("side") != "host" or "error" in r:
-            continue
-        key = ("batch", "itl_ms") if r["case"] == "decode" else ("chunks", "ms_per_chunk")
-        dev = next((d for d in rows if d.get("side") == "device" and d["case"] == r["case"] and "error" not in d
-                    and d.get(key[0]) == r[key[0]]), None)
-        if dev is not None:
-            r["overhead"] = round(r[key[1]] / dev[key[1]] - 1, 4)
+            r = acc[(case, k, side)]
+            key = "batch" if case == "decode" else "chunks"
+            row = {"case": case, "side": side, key: k}
+            if case == "decode":
+                row["context"] = a.context
+            else:
+                row["chunk"] = a.chunk
+            if (case, k, side) in errors:
+                row["error"] = errors[(case, k, side)]
+            if r["samples"]:
+                ts = r["samples"]
+                name = "itl_ms" if case == "decode" else "ms_per_chunk"
+                row.update({name: round(1000 * statistics.median(ts), 3),
+                            name + "_p90": round(1000 * float(np.percentile(ts, 90)), 3), "samples": len(ts),
+                            "rounds_ms": [round(1000 * t, 3) for t in r["rounds"]]})
+                if r["host_ms"]:
+                    row["host_ms_per_step"] = round(statistics.mean(r["host_ms"]), 3)
+                f = r["feeder"]
+                if f.get("calls"):
+                    row.update({"lookup_ms_mean": round(1000 * f["lookup_s"] / f["calls"], 4),
+                                "wait_ms_mean": round(1000 * f["wait_s"] / f["calls"], 4), "calls": f["calls"],
+                                "prefetch_misses": f["misses"]})
+            rows.append(row)
+        dev, host = rows[-2], rows[-1]
+        name = "itl_ms" if case == "decode" else "ms_per_chunk"
+        if name in dev and name in host:
+            host["overhead"] = round(host[name] / dev[name] - 1, 4)
+            host["overhead_per_round"] = [round(h / d - 1, 4) for h, d in zip(host["rounds_ms"], dev["rounds_ms"])]
+        print(rows[-2], rows[-1], sep="\n", file=sys.stderr, flush=True)
+        save()
+    if e["host"].engram is not None:
+        rows.append({"case": "host_tables", **e["host"].engram.tables.describe(),
+                     "gather_threads": e["host"].engram.threads})
     for side in ("device", "host"):
         if e[side].engram is not None:
             e[side].engram.close()
-    del e
+    e.clear()  # the engines go before part 2
 
 
 # ----------------------------------------------------------------------------- part 2: full-size lookup
@@ -299,8 +330,10 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--prefill-reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=4, help="gather threads of the host engine")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every case on both engines (after a warm-up)")
+    ap.add_argument("--prefill-reps", type=int, default=3, help="1-chunk prompts per engine and round")
+    ap.add_argument("--prefill-reps-long", type=int, default=1, help="4-chunk prompts per engine and round")
+    ap.add_argument("--threads", type=int, default=0, help="gather threads of the host engine (0: its default)")
     ap.add_argument("--lookup-reps", type=int, default=5)
     ap.add_argument("--lookup-rows", type=int, default=0, help="rows of the part-2 table (0: as many as fit)")
     ap.add_argument("--reserve-gib", type=float, default=12.0, help="host memory left free in part 2")
@@ -315,7 +348,7 @@ def main(argv=None):
     if a.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         a.preset, a.context, a.chunk, a.steps, a.warmup, a.prefill_reps = "tiny", 64, 32, 3, 1, 1
-        a.batches, a.lookup_reps, a.budget = "1,2", 2, 0
+        a.batches, a.lookup_reps, a.budget, a.rounds = "1,2", 2, 0, 2
     a.batches = [int(x) for x in str(a.batches).split(",")]
     import dsv41_jax  # noqa: F401  (XLA flags before the backend starts)
 
@@ -349,16 +382,21 @@ def main(argv=None):
         result["lookup_full_size"] = _run_part2(a)
     result["total_s"] = round(time.perf_counter() - a.t_start, 1)
     save()
-    print(f"{'case':>8} {'side':>6} {'B/chunks':>8} {'ms':>9} {'overhead':>8} {'lookup ms':>9} {'wait ms':>8}")
+    print(f"{'case':>8} {'side':>6} {'B/chunks':>8} {'n':>4} {'median ms':>9} {'overhead':>8} {'per round':>24} "
+          f"{'lookup ms':>9} {'wait ms':>8} {'misses':>6}")
     for r in rows:
         if r["case"] not in ("decode", "prefill"):
             continue
-        if "error" in r:
-            print(f"{r['case']:>8} {r.get('side', ''):>6} error: {r['error']}")
+        k = r.get("batch", r.get("chunks"))
+        if "error" in r and "samples" not in r:
+            print(f"{r['case']:>8} {r.get('side', ''):>6} {k:>8} error: {r['error']}")
             continue
         ms = r["itl_ms"] if r["case"] == "decode" else r["ms_per_chunk"]
-        print(f"{r['case']:>8} {r['side']:>6} {r.get('batch', r.get('chunks')):>8} {ms:>9} "
-              f"{r.get('overhead', ''):>8} {r.get('lookup_ms_mean', ''):>9} {r.get('wait_ms_mean', ''):>8}")
+        per = " ".join(f"{x:+.1%}" for x in r.get("overhead_per_round", []))
+        ov = f"{r['overhead']:+.2%}" if "overhead" in r else ""
+        print(f"{r['case']:>8} {r['side']:>6} {k:>8} {r['samples']:>4} {ms:>9} {ov:>8} {per:>24} "
+              f"{r.get('lookup_ms_mean', ''):>9} {r.get('wait_ms_mean', ''):>8} {r.get('prefetch_misses', ''):>6}"
+              + (f" ({r['error']})" if "error" in r else ""))
     lk = result.get("lookup_full_size", {})
     if "cases" in lk:
         print(f"full-size lookup: {lk['rows_allocated']:,} rows ({lk['table_gib']} GiB, {lk['fits']}), "

@@ -2,6 +2,7 @@
 gathered-row path gives exactly the device path's outputs, the tables never reach a device, one host copy is shared,
 and bad table tensors are rejected before anything is served."""
 
+import dataclasses
 import gc
 import json
 import os
@@ -134,6 +135,19 @@ def test_warm_turn_replay_across_the_hit_boundary_equals_device_tables(engines):
     assert res[0] == res[1]
 
 
+def test_prefetched_first_chunks_are_used_and_dropped(engines):
+    """A request's first chunk is gathered when it is added (next in line), its next chunk when this one is
+    dispatched: no call of a lone request misses its rows, and no span outlives its request."""
+    dev, host = engines
+    rng = np.random.default_rng(2)
+    miss0 = host.metrics.snapshot()["counters"]["engram_prefetch_misses"]
+    prompts = [rng.integers(0, 512, n).tolist() for n in (200, 70)]  # 2 chunks (128 + 72), 1 chunk
+    a, b = generate(dev, prompts, concurrent=False), generate(host, prompts, concurrent=False)
+    assert [r["ids"] for r in a] == [r["ids"] for r in b] and [r["lps"] for r in a] == [r["lps"] for r in b]
+    assert host.metrics.snapshot()["counters"]["engram_prefetch_misses"] == miss0
+    assert not host.engram.spans
+
+
 def test_tables_never_enter_device_memory(engines, cfg2):
     dev, host = engines
     r = host.runner
@@ -173,6 +187,101 @@ def test_speculation_with_host_tables_is_refused(tiny):
     with pytest.raises(ValueError, match="host Engram tables"):
         EngineArgs(**ARGS, engram_config=HOST, speculative_config=spec).resolved(tiny)
     assert EngineArgs(**ARGS, speculative_config=spec).resolved(tiny).speculative.num_speculative_tokens == 2
+
+
+# ---------------------------------------------------------------------------------------------- the feeder's paths
+class _Req:
+    def __init__(self, rid, tokens):
+        self.request_id, self.tokens = rid, tokens
+
+
+@dataclasses.dataclass
+class _Chunk:  # the part of a program's StepInputs the feeder touches
+    tokens: np.ndarray
+    engram_rows: tuple = ()
+
+
+@dataclasses.dataclass
+class _Inputs:
+    chunk: _Chunk
+
+
+def _inputs(B, T):
+    return _Inputs(_Chunk(np.zeros((B, T), np.int32)))
+
+
+@pytest.fixture(scope="module")
+def feeder_parts(cfg2):
+    from dsv41_jax.engram_hash import EngramHasher
+
+    tables = host_tables.from_random(cfg2, 3, host_tables.StoreOptions(shared=False))
+    return cfg2, tables, EngramHasher(cfg2)
+
+
+def _want(hasher, tables, tokens, pos0, n):
+    """Rows of positions [pos0, pos0 + n) by the hasher over the whole sequence and a plain index."""
+    ids = hasher.hash_ids(np.asarray(tokens)[None])[0, pos0:pos0 + n]
+    return [tables.arrays[e][ids[:, e]] for e in range(len(tables.arrays))]
+
+
+def test_feeder_paths_give_the_rows_of_a_plain_lookup(feeder_parts, monkeypatch):
+    """Every path of EngramFeeder (pieces over threads, per-layer eager copies, staging of prefetched spans, inline
+    decode rows, worker decode rows, a wrong guess gathered again) gives the rows of hashing the whole sequence
+    and indexing the tables; pooled buffers are poisoned when handed out and return once copied."""
+    from serving.engine import engram_host as eh
+
+    cfg, tables, hasher = feeder_parts
+    monkeypatch.setattr(eh, "SPLIT_ROWS", 64)  # tiny spans still split: pieces of 2 tokens x 2 layers x 4 cols
+    monkeypatch.setattr(eh, "PIECE_ROWS", 16)
+    puts = []
+
+    def put(bufs):
+        puts.append([b.shape for b in bufs])
+        return [jax.device_put(b.copy()) for b in bufs]
+
+    f = eh.EngramFeeder(cfg, tables, hasher, put, gather_threads=3)
+    get = f.pool.get
+
+    def poisoned(shape, n):
+        bufs = get(shape, n)
+        for x in bufs:
+            x.fill(0xAB)
+        return bufs
+
+    f.pool.get = poisoned
+    rng = np.random.default_rng(4)
+    a, b, c = (_Req(n, rng.integers(0, cfg.vocab_size, k).tolist()) for n, k in (("a", 90), ("b", 61), ("c", 7)))
+
+    def check(arrays, row, req, pos0, n):
+        for e, w in enumerate(_want(hasher, tables, req.tokens, pos0, n)):
+            np.testing.assert_array_equal(np.asarray(arrays[e])[row, :n], w)
+
+    f.prefetch(a, 0, 40, 64)  # eager: the one-chunk call takes its device arrays, one put per layer
+    got = f.inputs(_inputs(1, 64), [(0, a, 0, 40)]).chunk.engram_rows
+    assert len(got) == 2 and puts[-2:] == [[(1, 64, f.C, f.RB)]] * 2
+    check(got, 0, a, 0, 40)
+    f.prefetch(a, 40, 30, 32)
+    f.prefetch(b, 20, 9, 32)
+    got = f.inputs(_inputs(2, 32), [(1, a, 40, 30), (0, b, 20, 9)]).chunk.engram_rows  # staged (B = 2)
+    check(got, 1, a, 40, 30)
+    check(got, 0, b, 20, 9)
+    f.prefetch(b, 0, 5, 32)  # a wrong guess (too short): gathered again
+    got = f.inputs(_inputs(1, 32), [(0, b, 0, 20)]).chunk.engram_rows
+    check(got, 0, b, 0, 20)
+    assert not f.spans
+    for inline in (True, False):  # decode rows of 3 requests: on the engine thread, or a worker's prefetch
+        monkeypatch.setattr(eh, "INLINE_ROWS", 4096 if inline else 0)
+        for r in (a, b, c):
+            r.tokens.append(int(rng.integers(0, cfg.vocab_size)))
+        f.prefetch_decode([a, b, c])
+        assert len(f.spans) == (0 if inline else 3)
+        got = f.inputs(_inputs(4, 1), [(j, r, len(r.tokens) - 1, 1) for j, r in enumerate((c, a, b))])
+        for j, r in enumerate((c, a, b)):
+            check(got.chunk.engram_rows, j, r, len(r.tokens) - 1, 1)
+    f.prefetch(c, 0, 3, 32)
+    f.forget("c")
+    f.close()  # waits for the recycling
+    assert not f.spans and sum(len(v) for v in f.pool.free.values()) >= 2
 
 
 # ---------------------------------------------------------------------------------------------- storage

@@ -213,7 +213,7 @@ class Engine:
         if self.runner.engram_row_bytes:
             e = self.args.engram
             self.engram = EngramFeeder(cfg, engram_tables, self.hasher, self.runner.put_engram_rows, self.metrics,
-                                       gather_threads=e.gather_threads, prefetch=e.prefetch,
+                                       gather_threads=e.gather_threads, prefetch=e.prefetch, eager=not self.runner.dp,
                                        max_spans=4 * self.args.max_num_seqs * self.runner.n_ranks + 16)
         self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
@@ -302,7 +302,23 @@ class Engine:
                                     use_cache=sp.prompt_logprobs is None)
         self._rank[request_id] = rank
         self.ranks[rank].scheduler.waiting.append(req)
+        if self.engram is not None and len(self.ranks[rank].scheduler.waiting) == 1:  # next in line: its first
+            self._prefetch_first_chunk(req, self.ranks[rank])  # chunk's Engram rows, gathered during the step
         self._update_gauges()
+
+    def _prefetch_first_chunk(self, req: Request, rank: Rank):
+        """A guess of the first chunk the scheduler will give `req` (its prefix-cache hit as of now, the whole
+        token budget); a wrong guess costs a gather, never a wrong row (engram_host.py)."""
+        a, N = self.args, len(req.tokens)
+        start = 0
+        if a.enable_prefix_caching and req.sampling.prompt_logprobs is None:
+            req.refresh_hashes()  # the scheduler's admission reuses them
+            H = len(rank.pool.lookup(req.sched.hashes[:(N - 1) // BLOCK])) * BLOCK
+            if H and not a.swa_bounded_replay:  # exact mode: the restart depends on the snapshots; no guess
+                return
+            start = max(H - self.cfg.window_size, 0)
+        n = min(N - start, a.max_num_batched_tokens)
+        self.engram.prefetch(req, start, n, self.runner.bucket(PREFILL, n))
 
     def _grammar_state(self, sp: SamplingParams):
         """A fresh grammar state for a structured-output request (compiled here unless the API did it)."""

@@ -5,24 +5,37 @@ straight into host memory, one copy per host). The compiled programs take the ro
 `ChunkInputs.engram_rows` (one uint8 [B, T, n_cols, row_bytes] per Engram layer; dsv41_jax.engram_rows), and
 decode them in the program: no host callback inside a program, and outputs identical to device tables.
 
-`EngramFeeder` produces those inputs off the engine thread:
+`EngramFeeder` produces those inputs. The engine's step is: collect the call in flight, schedule, dispatch; the
+rows a call needs and that are not ready by its dispatch sit on the critical path between two device calls, so:
 - a *span* is the rows of positions [pos0, pos0 + n) of one request: its Engram ids are hashed on the host
-  (dsv41_jax.engram_hash, from the request's tokens and the n-1 tokens before pos0) and its rows gathered
-  (np.take, split over `gather_threads` threads for large spans) into a buffer of its own;
-- spans are started as early as their tokens are known: a decode row's when the previous step's token is
-  collected (`prefetch_decode`, one hash and gather for all the requests of a call), a prompt chunk's when it
-  is scheduled (`prefetch`, before the step's decode call is dispatched) and the request's next chunk as soon
-  as this one is dispatched (a guess of its size; a wrong guess is gathered again);
-- `inputs` (at dispatch) copies a call's spans into a fixed-shape staging buffer per program shape (or uses a
-  one-chunk call's span buffer as is), copies it to the device (`put`: the program's input sharding) and
-  returns the StepInputs with the device arrays. The engine thread waits only for that copy when the spans
-  were prefetched; the wait is the `dsv41:engram_wait_seconds` histogram, the worker time per call (hash,
-  gather, staging, host-to-device copy) `dsv41:engram_lookup_seconds`.
+  (dsv41_jax.engram_hash, from the request's tokens and the n-1 tokens before pos0) and its rows gathered with
+  np.take (which releases the GIL) into a buffer of its own;
+- a prompt chunk's span is started by a worker as early as its tokens are known: when the request is added and is
+  next in line (a guess of its first chunk from the prefix-cache hit as of now and the token budget), when the
+  chunk is scheduled (`prefetch`, before the step's decode call is dispatched) and the request's next chunk as
+  soon as this one is dispatched (a guess of its size). A wrong guess is gathered again at dispatch, never used;
+- a large span (more than SPLIT_ROWS rows) is split into pieces over `gather_threads` threads (default
+  GATHER_THREADS, capped by the CPUs), each piece hashed and gathered by one thread, one Engram layer after the
+  other; where a one-chunk call can take a span as it is (`eager`: B == 1, no data-parallel prefill blocks; the
+  span's buffer has the chunk's program bucket of rows), each layer's rows are sent to the device as soon as that
+  layer is gathered, so the copy overlaps the next layer's gather and the engine thread waits only for the last;
+- a call needing few rows that were not prefetched (at most INLINE_ROWS: decode batches up to 85 requests of the
+  full model) hashes and gathers them on the engine thread, in one vectorised hash and one fancy index: a few
+  tenths of a millisecond, with no handoff to a thread and back (each one a GIL round trip; the device is idle
+  between collecting a step and dispatching the next, so a worker would not overlap anything). Larger decode
+  batches are started on a worker when the previous step's tokens are collected (`prefetch_decode`);
+- `inputs` (at dispatch, on the engine thread) takes an eager one-chunk span's device arrays as they are, or
+  copies the call's spans into a fresh [B, T] staging buffer per layer (never reused: the device copy may still
+  read it) and copies that to the device (`put`: the program's input sharding). The time it spends is the
+  `dsv41:engram_wait_seconds` histogram, the host work per call (hash, gather, staging, starting the copies)
+  `dsv41:engram_lookup_seconds`.
 
 Invariants: a span is keyed by (request id, pos0) and holds rows of positions that never change (a request's
-tokens are append-only), so a prefetched span is always valid for any chunk it covers; a staging or span
-buffer is reused only after its host-to-device copy completed; spans of finished requests are dropped
-(`forget`) and at most `max_spans` are kept.
+tokens are append-only), so a prefetched span is valid for any chunk it covers (n >= the chunk's); a pooled span
+buffer goes back to the pool only once nothing reads it and its device copy completed (`_recycle`, on a worker);
+a staging buffer is never reused; spans of finished requests are dropped (`forget`) and at most `max_spans` are
+kept. Hashing and gathering on any thread or in any number of pieces give the same rows: outputs are identical to
+device tables whichever path a call takes.
 """
 
 from __future__ import annotations
@@ -44,7 +57,14 @@ from dsv41_jax.engram_rows import table_bytes
 # 3% of an H200's memory and the in-program gather is free; V4.1-Flash's 189 GiB must leave the GPUs, medium's
 # 0.5 GiB need not (docs/SERVING.md).
 OFFLOAD_THRESHOLD_GIB = 4.0
-SPLIT_ROWS = 16384  # spans gathering more rows than this are split over the gather threads
+SPLIT_ROWS = 4096  # a span gathering more rows (tokens x layers x columns) is split over the gather threads
+PIECE_ROWS = 2048  # ... into pieces of at least this many rows
+INLINE_ROWS = 4096  # a call needing at most this many rows not prefetched gathers them on the engine thread
+# Default gather threads (capped by the CPUs this process may use). On the H200 host a 2,048-token chunk of the full
+# model's tables (98,304 random rows of 264 B in a 94 GiB table) took 21.2 ms with 1 thread, 5.8 with 4 and 3.6 with
+# 8 (bench/results/engram_host_lookup_medium_h200.json): the gather waits on memory latency, so threads keep more
+# misses in flight; 8 is within 10% of the copy to the device, and 8 ranks of a host x 8 threads stay below its cores.
+GATHER_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,7 @@ class EngramConfig:
     shm_dir: str = "/dev/shm"
     keep_shared: bool = False  # leave the shared copy for the next start
     offload_threshold_gib: float = OFFLOAD_THRESHOLD_GIB
-    gather_threads: int = 2  # host threads gathering rows
+    gather_threads: int = 0  # host threads gathering rows (0: GATHER_THREADS, capped by the CPUs)
     prefetch: bool = True  # start gathers when tokens are known (off: at dispatch; for measurements)
 
     @staticmethod
@@ -83,8 +103,8 @@ class EngramConfig:
                 raise ValueError(f"--engram-config: {name} must be true or false")
         if cfg.cpu_offload is not None and not isinstance(cfg.cpu_offload, bool):
             raise ValueError("--engram-config: cpu_offload must be true, false or null")
-        if not isinstance(cfg.gather_threads, int) or cfg.gather_threads < 1:
-            raise ValueError("--engram-config: gather_threads must be an integer >= 1")
+        if not isinstance(cfg.gather_threads, int) or isinstance(cfg.gather_threads, bool) or cfg.gather_threads < 0:
+            raise ValueError("--engram-config: gather_threads must be an integer >= 0 (0: the default)")
         return cfg
 
     def resolved(self, cfg) -> EngramConfig:
@@ -131,16 +151,25 @@ def tables_to_host(cfg, params, ecfg: EngramConfig):
 
 
 # ----------------------------------------------------------------------------- the feeder
-class _Span:
-    __slots__ = ("n", "future", "pooled", "gather_s")
+class _Rows:
+    """A span's gathered rows: `host` (one [cap, n_cols, row_bytes] array per layer) and, for an eager span,
+    `dev` (the same rows on the device as a one-chunk call takes them, [1, cap, ...] per layer)."""
+    __slots__ = ("host", "dev")
 
-    def __init__(self, n: int, pooled: bool):
-        self.n, self.pooled, self.gather_s = n, pooled, 0.0
-        self.future: Future | None = None  # -> list of per-layer arrays [cap >= n, n_cols, row_bytes]
+    def __init__(self, host: list[np.ndarray], dev: tuple | None):
+        self.host, self.dev = host, dev
+
+
+class _Span:
+    __slots__ = ("n", "cap", "future", "pooled", "eager", "gather_s")
+
+    def __init__(self, n: int, cap: int, pooled: bool, eager: bool):
+        self.n, self.cap, self.pooled, self.eager, self.gather_s = n, cap, pooled, eager, 0.0
+        self.future: Future | None = None  # -> _Rows
 
 
 class _BufferPool:
-    """Free buffers by shape (a staging or span buffer goes back once its host-to-device copy is done)."""
+    """Free host buffers by shape (a span buffer goes back once nothing reads it and its device copy is done)."""
 
     def __init__(self, per_shape: int = 4):
         self.free: dict[tuple, list] = {}
@@ -161,76 +190,125 @@ class _BufferPool:
                 lst.append(bufs)
 
 
+def default_gather_threads() -> int:
+    """GATHER_THREADS, or this process's CPUs when fewer."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(GATHER_THREADS, cpus))
+
+
 class EngramFeeder:
     """Gathers host-table rows for the engine's programs (module docstring). `put(list of per-layer numpy
-    arrays) -> tuple of device arrays` places a call's rows with its programs' input sharding."""
+    arrays) -> list of device arrays` places a call's rows with its programs' input sharding; `eager`: a
+    one-chunk prefill call takes a span's rows as they are (B == 1: no data-parallel prefill blocks), so a
+    prefetched chunk's rows go to the device layer by layer as soon as they are gathered."""
 
-    def __init__(self, cfg, tables, hasher, put, metrics=None, *, gather_threads: int = 2, prefetch: bool = True,
-                 max_spans: int = 256):
+    def __init__(self, cfg, tables, hasher, put, metrics=None, *, gather_threads: int = 0, prefetch: bool = True,
+                 max_spans: int = 256, eager: bool = True):
         self.cfg, self.tables, self.hasher, self.put, self.metrics = cfg, tables, hasher, put, metrics
         self.E, self.C, self.RB = len(tables.arrays), hasher.layout.n_cols, tables.fmt.row_bytes
         self.h = hasher.n - 1
         self.prefetching = prefetch
+        self.eager = eager
         self.max_spans = max_spans
         self.spans: OrderedDict[tuple, _Span] = OrderedDict()
         self.lock = threading.Lock()
         self.pool = _BufferPool()
-        self.threads = gather_threads
-        self._gather = ThreadPoolExecutor(gather_threads + 1, thread_name_prefix="engram-gather")
-        self._split = ThreadPoolExecutor(gather_threads, thread_name_prefix="engram-split")
-        self._stage = ThreadPoolExecutor(1, thread_name_prefix="engram-stage")
+        self.threads = gather_threads or default_gather_threads()
+        self._gather = ThreadPoolExecutor(3, thread_name_prefix="engram-gather")  # a span at a time each
+        self._split = ThreadPoolExecutor(self.threads, thread_name_prefix="engram-split")
+        self._release_ex = ThreadPoolExecutor(1, thread_name_prefix="engram-release")
 
-    # ------------------------------------------------------------------ host work (worker threads)
-    def _ids(self, toks: np.ndarray, hist: np.ndarray) -> np.ndarray:
-        """[k, n] tokens + [k, h] compressed history -> [k, n, E, C] int32 row ids."""
-        return self.hasher.hash_ids(toks, hist)
+    # ------------------------------------------------------------------ host work
+    def _inline(self, tokens: int) -> bool:
+        """Small enough to hash and gather on the engine thread (module docstring)."""
+        return tokens * self.E * self.C <= INLINE_ROWS
+
+    def _hist(self, toks, end: int) -> np.ndarray:
+        """Compressed history [h] of the tokens before `end` of `toks` (-1 before the sequence's start)."""
+        hist = np.full(self.h, -1, np.int64)
+        prev = toks[max(end - self.h, 0):end]
+        if len(prev):
+            hist[self.h - len(prev):] = self.hasher.compress(np.asarray(prev))
+        return hist
+
+    def _hash(self, toks, a: int, b: int) -> np.ndarray:
+        """[b - a, E, C] int32 row ids of positions [a, b) of `toks` (a snapshot that starts at the sequence's
+        start or at least h tokens before a)."""
+        return self.hasher.hash_ids(np.asarray(toks[a:b], np.int64)[None], self._hist(toks, a)[None])[0]
+
+    def _take_layer(self, ids: np.ndarray, e: int, out: np.ndarray):
+        """ids [m, E, C] -> out [m, C, RB]: layer e's rows (np.take releases the GIL)."""
+        m = ids.shape[0]
+        np.take(self.tables.arrays[e], ids[:, e].reshape(-1), axis=0, out=out.reshape(m * self.C, self.RB))
 
     def _take(self, ids: np.ndarray, bufs: list[np.ndarray]):
         """ids [m, E, C] -> bufs[e][:m] ([m, C, RB] each), split over the gather threads when large."""
         m = ids.shape[0]
-        if m * self.C * self.E <= SPLIT_ROWS or self.threads == 1:
-            for e in range(self.E):
-                np.take(self.tables.arrays[e], ids[:, e].reshape(-1), axis=0,
-                        out=bufs[e][:m].reshape(m * self.C, self.RB))
-            return
-        step = -(-m // self.threads)
+        pieces = self._pieces(m)
+        for e in range(self.E):
+            if len(pieces) == 1:
+                self._take_layer(ids, e, bufs[e][:m])
+            else:
+                self._map(lambda ab, e=e: self._take_layer(ids[ab[0]:ab[1]], e, bufs[e][ab[0]:ab[1]]), pieces)
 
-        def part(a):
-            b = min(m, a + step)
-            for e in range(self.E):
-                np.take(self.tables.arrays[e], ids[a:b, e].reshape(-1), axis=0,
-                        out=bufs[e][a:b].reshape((b - a) * self.C, self.RB))
+    def _pieces(self, m: int) -> list[tuple[int, int]]:
+        rows = m * self.C * self.E
+        if rows <= SPLIT_ROWS or self.threads == 1:
+            return [(0, m)]
+        step = -(-m // min(self.threads, -(-rows // PIECE_ROWS)))
+        return [(a, min(m, a + step)) for a in range(0, m, step)]
 
-        for f in [self._split.submit(part, a) for a in range(0, m, step)]:
-            f.result()
+    def _map(self, fn, pieces):
+        return [f.result() for f in [self._split.submit(fn, p) for p in pieces]]
 
-    def _history(self, tokens: list[int], pos0: int) -> np.ndarray:
-        hist = np.full(self.h, -1, np.int64)
-        prev = tokens[max(pos0 - self.h, 0):pos0]
-        if prev:
-            hist[self.h - len(prev):] = self.hasher.compress(np.asarray(prev))
-        return hist
-
-    def _gather_span(self, span: _Span, toks: list[int], pos0: int, cap: int):
+    def _gather_span(self, span: _Span, toks: list[int], off: int) -> _Rows:
+        """Worker: rows of positions [off, off + n) of the snapshot `toks`. Large spans are split over the gather
+        threads (each piece hashed and gathered by one thread), layer by layer; an eager span's layer is sent to
+        the device as soon as it is gathered, so its copy overlaps the next layer's gather."""
         t0 = time.perf_counter()
-        n = span.n
+        n, cap = span.n, span.cap
         bufs = self.pool.get((cap, self.C, self.RB), self.E) if span.pooled else \
             [np.empty((cap, self.C, self.RB), np.uint8) for _ in range(self.E)]
-        ids = self._ids(np.asarray(toks[pos0:pos0 + n], np.int64)[None], self._history(toks, pos0)[None])[0]
-        self._take(ids, bufs)
+        dev = []
+        pieces = self._pieces(n)
+        ids: list = [None] * len(pieces)
+
+        def first(i):  # hash a piece, gather its layer-0 rows
+            a, b = pieces[i]
+            ids[i] = self._hash(toks, off + a, off + b)
+            self._take_layer(ids[i], 0, bufs[0][a:b])
+
+        if len(pieces) == 1:
+            first(0)
+        else:
+            self._map(first, range(len(pieces)))
+        for e in range(self.E):
+            if e:
+                if len(pieces) == 1:
+                    self._take_layer(ids[0], e, bufs[e][:n])
+                else:
+                    self._map(lambda i, e=e: self._take_layer(ids[i], e, bufs[e][pieces[i][0]:pieces[i][1]]),
+                              range(len(pieces)))
+            if span.eager:
+                dev += self.put([bufs[e][None]])  # asynchronous: the copy runs while the next layer is gathered
         span.gather_s = time.perf_counter() - t0
-        return bufs
+        return _Rows(bufs, tuple(dev) if span.eager else None)
 
     def _gather_decode(self, spans: list[_Span], toks: np.ndarray, hist: np.ndarray, futs: list[Future]):
         try:
             t0 = time.perf_counter()
             k = len(spans)
             bufs = [np.empty((k, self.C, self.RB), np.uint8) for _ in range(self.E)]
-            self._take(self._ids(toks, hist)[:, 0], bufs)
+            self._take(self.hasher.hash_ids(toks, hist)[:, 0], bufs)
             dt = (time.perf_counter() - t0) / k
             for j, (s, f) in enumerate(zip(spans, futs)):
                 s.gather_s = dt
-                f.set_result([b[j:j + 1] for b in bufs])
+                f.set_result(_Rows([b[j:j + 1] for b in bufs], None))
         except BaseException as e:  # noqa: BLE001 - surfaced by the staging that waits for these spans
             for f in futs:
                 if not f.done():
@@ -243,22 +321,27 @@ class EngramFeeder:
             self.spans[key] = span
             while len(self.spans) > self.max_spans:
                 _, dropped = self.spans.popitem(last=False)
-                self._release_later(dropped)
+                self._release(dropped)
         if old is not None:
-            self._release_later(old)
+            self._release(old)
 
-    def _release_later(self, span: _Span):
+    def _release(self, span: _Span):
+        """A pooled span's buffers go back once its gather and its device copy are done (on a worker)."""
         if span.pooled:
-            span.future.add_done_callback(lambda f, s=span: self._recycle(s, f))
+            self._release_ex.submit(self._recycle, span)
 
-    def _recycle(self, span: _Span, fut: Future):
-        if fut.exception() is None:
-            bufs = fut.result()
-            self.pool.put(bufs[0].shape, bufs)
+    def _recycle(self, span: _Span):
+        try:
+            rows = span.future.result()
+            for a in rows.dev or ():
+                a.block_until_ready()  # the copy has read the host buffers
+        except BaseException:  # noqa: BLE001 - a failed span's buffers are not reused
+            return
+        self.pool.put(rows.host[0].shape, rows.host)
 
     def prefetch(self, req, pos0: int, n: int, cap: int | None = None):
         """Start gathering rows [pos0, pos0 + n) of `req` (a prompt chunk); `cap`: the buffer's rows (the
-        chunk's program bucket, so a one-chunk call sends the span buffer itself)."""
+        chunk's program bucket, so a one-chunk call takes the span's rows as they are)."""
         if n <= 0 or not self.prefetching:
             return
         key = (req.request_id, pos0)
@@ -269,25 +352,24 @@ class EngramFeeder:
         self._remember(key, self._start(req.tokens, pos0, n, cap))
 
     def _start(self, tokens: list[int], pos0: int, n: int, cap: int | None) -> _Span:
-        """A span gathered by a worker; `cap` (a program bucket): its buffer comes from the pool (fixed shapes),
-        else a buffer of its own."""
-        span = _Span(n, pooled=cap is not None)
-        cap = cap or n
-        toks = tokens[max(pos0 - self.h, 0):pos0 + n]  # a snapshot: the list grows on the engine thread
+        """A span gathered by a worker; `cap` (a program bucket): pooled buffers of that many rows (fixed
+        shapes), eager when the feeder is; else buffers of its own."""
+        span = _Span(n, cap or n, pooled=cap is not None, eager=cap is not None and self.eager)
         base = max(pos0 - self.h, 0)
-        span.future = self._gather.submit(lambda: self._gather_span(span, toks, pos0 - base, cap))
+        toks = tokens[base:pos0 + n]  # a snapshot: the list grows on the engine thread
+        span.future = self._gather.submit(self._gather_span, span, toks, pos0 - base)
         return span
 
     def prefetch_decode(self, reqs: list):
         """Start gathering the next decode row of each request (its last token, just collected): one hash and
-        one gather for all of them."""
-        if not reqs or not self.prefetching:
+        one gather for all of them. A small batch is left to `inputs` (gathered inline: cheaper than a handoff)."""
+        if not reqs or not self.prefetching or self._inline(len(reqs)):
             return
         toks = np.asarray([[r.tokens[-1]] for r in reqs], np.int64)
-        hist = np.stack([self._history(r.tokens, len(r.tokens) - 1) for r in reqs])
+        hist = np.stack([self._hist(r.tokens, len(r.tokens) - 1) for r in reqs])
         spans, futs = [], []
         for r in reqs:
-            s = _Span(1, pooled=False)
+            s = _Span(1, 1, pooled=False, eager=False)
             s.future = Future()
             spans.append(s)
             futs.append(s.future)
@@ -299,76 +381,68 @@ class EngramFeeder:
             keys = [k for k in self.spans if k[0] == request_id]
             dropped = [self.spans.pop(k) for k in keys]
         for s in dropped:
-            self._release_later(s)
+            self._release(s)
 
-    def _take_span(self, req, pos0: int, n: int) -> tuple[_Span, bool]:
-        """The span covering [pos0, pos0 + n) of req (popped from the prefetched ones, or started now)."""
-        with self.lock:
-            span = self.spans.pop((req.request_id, pos0), None)
-        if span is not None and span.n >= n:
-            return span, True
-        if span is not None:
-            self._release_later(span)
-        return self._start(req.tokens, pos0, n, None), False
-
-    # ------------------------------------------------------------------ staging
+    # ------------------------------------------------------------------ staging (the engine thread)
     def inputs(self, inp, rows: list[tuple[int, object, int, int]]):
         """`inp` (a program's StepInputs) with its Engram rows on the device. rows: (row, request, pos0, n) of
-        every row the call carries; padding rows keep whatever the staging buffer holds (never read)."""
+        every row the call carries; padding rows hold arbitrary table rows (never read)."""
         B, T = inp.chunk.tokens.shape
-        spans, misses = [], 0
-        for row, req, pos0, n in rows:
-            span, hit = self._take_span(req, pos0, n)
-            misses += not hit
-            spans.append((row, n, span))
-        if self.metrics is not None and misses and self.prefetching:
-            self.metrics.inc("engram_prefetch_misses", misses)
-        ready: Future = Future()
-        done = self._stage.submit(self._stage_call, B, T, spans, ready)
         t0 = time.perf_counter()
-        try:
-            arrays = ready.result()
-        except BaseException:
-            done.result()  # the staging's own error, if it failed before `ready` was set
-            raise
-        if self.metrics is not None:
-            self.metrics.observe("engram_wait", time.perf_counter() - t0)
-        return dataclasses.replace(inp, chunk=dataclasses.replace(inp.chunk, engram_rows=arrays))
-
-    def _stage_call(self, B: int, T: int, spans, ready: Future):
-        try:
-            self._stage_rows(B, T, spans, ready)
-        except BaseException as e:  # noqa: BLE001 - handed to the engine thread waiting on `ready`
-            if not ready.done():
-                ready.set_exception(e)
-
-    def _stage_rows(self, B: int, T: int, spans, ready: Future):
-        done = [(row, n, s, s.future.result()) for row, n, s in spans]
-        t1 = time.perf_counter()
-        direct = B == 1 and len(done) == 1 and done[0][0] == 0 and done[0][3][0].shape[0] == T
-        if direct:  # one chunk whose span buffer has the program's shape: sent as it is
-            stage_shape, bufs = None, [b.reshape(1, T, self.C, self.RB) for b in done[0][3]]
+        taken, missing = [], []
+        for row, req, pos0, n in rows:
+            with self.lock:
+                span = self.spans.pop((req.request_id, pos0), None)
+            if span is not None and span.n < n:
+                self._release(span)
+                span = None
+            taken.append([row, req, pos0, n, span])
+            if span is None:
+                missing.append(taken[-1])
+        inline = self._inline(sum(t[3] for t in missing))
+        if missing and not inline:  # started now, on the workers
+            if self.metrics is not None and self.prefetching:
+                self.metrics.inc("engram_prefetch_misses", len(missing))
+            for t in missing:
+                t[4] = self._start(t[1].tokens, t[2], t[3], None)
+        one = taken[0][4] if len(taken) == 1 else None
+        if B == 1 and one is not None and taken[0][0] == 0 and one.eager and one.cap == T:
+            arrays = one.future.result().dev  # a prefetched one-chunk call: its rows are on their way
+            lookup = one.gather_s
+            self._release(one)
         else:
-            stage_shape = (B, T, self.C, self.RB)
-            bufs = self.pool.get(stage_shape, self.E)
-            for row, n, _, src in done:
+            got = [(row, n, span, span.future.result().host) for row, _, _, n, span in taken if span is not None]
+            t1 = time.perf_counter()
+            bufs = [np.empty((B, T, self.C, self.RB), np.uint8) for _ in range(self.E)]  # never reused
+            if missing and inline:  # one hash and one gather on this thread
+                self._inline_rows(missing, bufs)
+            for row, n, span, src in got:
                 for e in range(self.E):
                     bufs[e][row, :n] = src[e][:n]
-        arrays = tuple(self.put(bufs))
-        t2 = time.perf_counter()
-        ready.set_result(arrays)  # the engine thread dispatches now; the copy may still be in flight
-        for a in arrays:
-            a.block_until_ready()  # the copy has read the host buffers: they may be reused
-        if stage_shape is not None:
-            self.pool.put(stage_shape, bufs)
-        for _, _, s, src in done:
-            if s.pooled:
-                self.pool.put(src[0].shape, src)
+                self._release(span)
+            arrays = tuple(self.put(bufs))
+            lookup = sum(g[2].gather_s for g in got) + time.perf_counter() - t1
         if self.metrics is not None:
-            gather = sum(s.gather_s for _, _, s, _ in done)
-            self.metrics.observe("engram_lookup", gather + (t2 - t1))
-            self.metrics.inc("engram_rows", sum(n for _, n, _, _ in done) * self.E * self.C)
+            self.metrics.observe("engram_wait", time.perf_counter() - t0)
+            self.metrics.observe("engram_lookup", lookup)
+            self.metrics.inc("engram_rows", sum(t[3] for t in taken) * self.E * self.C)
+        return dataclasses.replace(inp, chunk=dataclasses.replace(inp.chunk, engram_rows=arrays))
+
+    def _inline_rows(self, missing: list, bufs: list[np.ndarray]):
+        """Hash and gather the rows of `missing` spans into the staging buffers, on the calling thread."""
+        if all(t[3] == 1 for t in missing):  # decode rows: one hash for all
+            toks = np.asarray([[t[1].tokens[t[2]]] for t in missing], np.int64)
+            hist = np.stack([self._hist(t[1].tokens, t[2]) for t in missing])
+            ids = self.hasher.hash_ids(toks, hist)[:, 0]
+            parts = [(t[0], 1, ids[j:j + 1]) for j, t in enumerate(missing)]
+        else:
+            parts = [(t[0], t[3], self._hash(t[1].tokens, t[2], t[2] + t[3])) for t in missing]
+        rows = np.concatenate([np.full(n, r) for r, n, _ in parts])
+        cols = np.concatenate([np.arange(n) for _, n, _ in parts])
+        ids = np.concatenate([i for _, _, i in parts])
+        for e in range(self.E):
+            bufs[e][rows, cols] = self.tables.arrays[e][ids[:, e]]
 
     def close(self):
-        for ex in (self._stage, self._gather, self._split):
+        for ex in (self._gather, self._split, self._release_ex):
             ex.shutdown(wait=True)
