@@ -61,7 +61,7 @@ def tokens():
 # whole files in collection order (its default reorder, by number of tests per file, is turned off below, since it
 # put these one-test files last, where they ran alone at the end of the run); starting with the long ones lets the
 # many short files fill the other worker meanwhile. Every test still runs; only the order changes. test_engine.py
-# goes first: it compiles the shared engine shapes (SMALL_ENGINE_ARGS, tests/harness.EXACT_ENGINE_ARGS) that later
+# goes first: it compiles the shared engine shapes (SMALL_ENGINE_ARGS; EXACT_ENGINE_ARGS in tests/harness.py) that later
 # files (the API servers, tests/test_host_tier.py) then read from the persistent compilation cache.
 SLOW_FIRST = (  # a full run at 14d1b67, seconds per file (setup + call), cores otherwise idle
     "test_engine.py",  # 204

@@ -25,7 +25,7 @@ def eng(tiny, tiny_params):
 @pytest.fixture(scope="module")
 def eng_exact(tiny32, tiny32_params):
     """f32, qdq off, exact mode (--no-swa-bounded-replay): SWA snapshots instead of replay; several prefill and
-    decode buckets. Shapes shared with tests/test_host_tier.py (tests/harness.EXACT_ENGINE_ARGS)."""
+    decode buckets. Shapes shared with tests/test_host_tier.py (EXACT_ENGINE_ARGS in tests/harness.py)."""
     return Engine(tiny32, EngineArgs(**EXACT_ENGINE_ARGS), params=tiny32_params, progress=False)
 
 

@@ -3,7 +3,7 @@ from the device pool (by anonymous prompts that fill the whole pool) is restored
 greedy output as a kept one, restored pages count as cached tokens, a host page never serves another cache_salt,
 and the LRU bound holds. The engines take the shapes of other test files' engines (the pool size is a program
 shape), so their programs are persistent-compilation-cache hits: SMALL_ENGINE_ARGS (bounded replay, the production
-formats) and tests/harness.EXACT_ENGINE_ARGS (exact mode, f32)."""
+formats) and tests/harness.py's EXACT_ENGINE_ARGS (exact mode, f32)."""
 
 import numpy as np
 import pytest
