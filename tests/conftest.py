@@ -60,22 +60,21 @@ def tokens():
 # The slowest files, slowest first (per-file CPU time of a full run, docs/BENCHMARKS.md "CI time"). xdist hands out
 # whole files in collection order (its default reorder, by number of tests per file, is turned off below, since it
 # put these one-test files last, where they ran alone at the end of the run); starting with the long ones lets the
-# many short files fill the other worker meanwhile. Every test still runs; only the order changes.
-SLOW_FIRST = (  # a full run at 559b2ed, seconds per file (setup + call), other jobs sharing the cores
-    "test_engine_pallas.py",  # 971
-    "test_spec_decode.py",  # 935
-    "test_training_attention_default.py",  # 635
-    "test_parallel.py",  # 558
-    "test_paths.py",  # 497
-    "test_engine.py",  # 470
-    "test_training_attention.py",  # 1384 then, ~40% of it since (two whole-model steps of five)
-    "test_engram_host.py",  # 354
-    "test_default_model_generation.py",  # 333
-    "test_api_http.py",  # 318
-    "test_train_dspark.py",  # 293
-    "test_api_structured_budget.py",  # 265
-    "test_default_model.py",  # 262
-    "test_checkpoints.py",  # 246
+# many short files fill the other worker meanwhile. Every test still runs; only the order changes. test_engine.py
+# goes first: it compiles the shared engine shapes (SMALL_ENGINE_ARGS; EXACT_ENGINE_ARGS in tests/harness.py) that later
+# files (the API servers, tests/test_host_tier.py) then read from the persistent compilation cache.
+SLOW_FIRST = (  # a full run at 14d1b67, seconds per file (setup + call), cores otherwise idle
+    "test_engine.py",  # 204
+    "test_training_attention_default.py",  # 200
+    "test_spec_decode.py",  # 189
+    "test_paths.py",  # 156
+    "test_engine_pallas.py",  # 153
+    "test_parallel.py",  # 138
+    "test_api_structured_budget.py",  # 108
+    "test_default_model.py",  # 90
+    "test_engram_host.py",  # 87
+    "test_training_attention.py",  # 85
+    "test_default_model_generation.py",  # 78
 )
 
 

@@ -5,6 +5,7 @@
 - `shared_test_server()` / `shared_long_server()`: one such server per test process (tiny weights, small
   shapes; the second with a 2048-token context and tool calling), each started on first use.
 - `small_server_args()`: the `python -m serving.run` flags of the shared server's shapes (compilation-cache hits).
+- `EXACT_ENGINE_ARGS`: the exact-mode engine shapes that test files share (with the f32 `tiny32` config).
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ class BackgroundServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# ---------------------------------------------------------------------------------------------- shared shapes
+# Engines built with the same config and EngineArgs shapes compile the same programs: the second build is a
+# persistent-compilation-cache hit (the cache is shared by the xdist workers and the servers' subprocesses).
+# The exact-mode engine (--no-swa-bounded-replay: SWA snapshots instead of replay), f32 with every quantize-dequantize
+# point off (conftest's `tiny32`): several prefill and decode buckets (bucket choice, one program per bucket).
+EXACT_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
+                         decode_buckets=(2, 4), swa_bounded_replay=False, enable_prompt_logprobs=False)
 
 
 # ---------------------------------------------------------------------------------------------- shared test server

@@ -9,10 +9,8 @@ from dsv41_jax.engram_hash import EngramHasher
 from serving.engine import Engine, EngineArgs, SamplingParams
 from serving.engine.config import SMALL_ENGINE_ARGS
 from serving.engine.engine import QueueFull
+from tests.harness import EXACT_ENGINE_ARGS
 
-# The exact-mode engine: several prefill and decode buckets (bucket choice, one program per bucket).
-ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
-            decode_buckets=(2, 4))
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
 
 
@@ -26,9 +24,9 @@ def eng(tiny, tiny_params):
 
 @pytest.fixture(scope="module")
 def eng_exact(tiny32, tiny32_params):
-    """f32, qdq off, exact mode (--no-swa-bounded-replay): SWA snapshots instead of replay."""
-    return Engine(tiny32, EngineArgs(**ARGS, swa_bounded_replay=False, enable_prompt_logprobs=False),
-                  params=tiny32_params, progress=False)
+    """f32, qdq off, exact mode (--no-swa-bounded-replay): SWA snapshots instead of replay; several prefill and
+    decode buckets. Shapes shared with tests/test_host_tier.py (EXACT_ENGINE_ARGS in tests/harness.py)."""
+    return Engine(tiny32, EngineArgs(**EXACT_ENGINE_ARGS), params=tiny32_params, progress=False)
 
 
 def run(engine, prompts, n=6, salt=None, concurrent=True, **sp):

@@ -1,6 +1,9 @@
 """The host-memory tier for prefix-cache pages (--kv-offloading-size; serving/engine/host_tier.py): a prefix evicted
-from a deliberately small device pool is restored from host memory with the same greedy output as a kept one,
-restored pages count as cached tokens, a host page never serves another cache_salt, and the LRU bound holds."""
+from the device pool (by anonymous prompts that fill the whole pool) is restored from host memory with the same
+greedy output as a kept one, restored pages count as cached tokens, a host page never serves another cache_salt,
+and the LRU bound holds. The engines take the shapes of other test files' engines (the pool size is a program
+shape), so their programs are persistent-compilation-cache hits: SMALL_ENGINE_ARGS (bounded replay, the production
+formats) and tests/harness.py's EXACT_ENGINE_ARGS (exact mode, f32)."""
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from serving.engine.config import SMALL_ENGINE_ARGS, shared_cache_dir
 from serving.engine.host_tier import HostTier
 from serving.engine.metrics import Metrics
 from serving.engine.page_pool import PagePool
+from tests.harness import EXACT_ENGINE_ARGS
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -80,13 +84,20 @@ def test_pool_restore_registers_pages_and_salts_stay_apart():
 
 
 # ---------------------------------------------------------------------------------------------- the engine
+def host_tier_size(cfg, args: dict) -> float:
+    """--kv-offloading-size (GiB) of twice the device pool: everything evict_all pushes out stays on the host."""
+    num_pages = EngineArgs(**args).resolved(cfg).num_pages
+    return 2 * num_pages * PageLayout.for_config(cfg).page_bytes / 2 ** 30
+
+
 @pytest.fixture(scope="module")
 def tiered(tiny, tiny_params):
-    """The tiny model on a 10-page device pool (2 prompts of 4 pages) with a host tier of 16 pages."""
-    page_bytes = PageLayout.for_config(tiny).page_bytes
-    args = EngineArgs(**SMALL_ENGINE_ARGS, num_pages=10, compilation_cache_dir=shared_cache_dir(),
-                      kv_offloading_size=16 * page_bytes / 2 ** 30)
-    return Engine(tiny, args, params=tiny_params, progress=False)
+    """The tiny model at the shared test server's shapes (a 65-page device pool) with a host tier of 130 pages."""
+    args = EngineArgs(**SMALL_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir(),
+                      kv_offloading_size=host_tier_size(tiny, SMALL_ENGINE_ARGS))
+    eng = Engine(tiny, args, params=tiny_params, progress=False)
+    assert eng.host_tier.capacity == 2 * eng.pool.num_pages
+    return eng
 
 
 def generate(eng, ids, salt=None, n=8):
@@ -101,7 +112,7 @@ def generate(eng, ids, salt=None, n=8):
 
 
 def evict_all(eng, rng):
-    for _ in range(4):  # 16 pages of anonymous prompts through a 9-page pool: every cached page is evicted
+    for _ in range(eng.pool.num_pages // 3 + 2):  # anonymous prompts of 3 pages, more than the whole pool holds
         generate(eng, rng.integers(0, 256, 3 * BLOCK).tolist(), n=1)
     if eng.host_tier is not None:
         eng.host_tier.wait()
@@ -124,7 +135,7 @@ def test_evicted_prefix_is_restored_from_host_memory(tiered):
     assert cached == 3 * BLOCK - W  # restored pages count as cached tokens
     assert m["offload_restored_pages"] - restored0 == 3
     assert restored == kept  # identical greedy output to the kept prefix
-    assert m["prefix_cache_hits"] > 0 and tiered.host_tier.num_pages() <= tiered.host_tier.capacity == 16
+    assert m["prefix_cache_hits"] > 0 and tiered.host_tier.num_pages() <= tiered.host_tier.capacity
     tiered.pool.check()
 
 
@@ -141,13 +152,11 @@ def test_host_pages_never_serve_another_salt(tiered):
     assert tiered.metrics.counters["offload_restored_pages"] == r0 + 3
 
 
-def test_exact_mode_restored_pages_resume_at_the_device_snapshot(tiny, tiny_params):
+def test_exact_mode_restored_pages_resume_at_the_device_snapshot(tiny32, tiny32_params):
     """Exact mode: the pages come back from the host, the SWA snapshot never left the device."""
-    page_bytes = PageLayout.for_config(tiny).page_bytes
-    args = EngineArgs(**SMALL_ENGINE_ARGS, num_pages=10, compilation_cache_dir=shared_cache_dir(),
-                      kv_offloading_size=16 * page_bytes / 2 ** 30, swa_bounded_replay=False,
-                      enable_prompt_logprobs=False)
-    eng = Engine(tiny, args, params=tiny_params, progress=False)
+    args = EngineArgs(**EXACT_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir(),
+                      kv_offloading_size=host_tier_size(tiny32, EXACT_ENGINE_ARGS))
+    eng = Engine(tiny32, args, params=tiny32_params, progress=False)
     rng = np.random.default_rng(7)
     prefix = rng.integers(0, 256, 3 * BLOCK + 8).tolist()  # a snapshot at the last full block (192)
     turn2 = prefix + rng.integers(0, 256, 24).tolist()
