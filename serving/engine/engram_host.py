@@ -30,21 +30,22 @@ rows a call needs and that are not ready by its dispatch sit on the critical pat
   histogram, the host work per call (hash, gather, staging, starting the copies) `dsv41:engram_lookup_seconds`;
 - a call of at most INLINE_ROWS rows (decode) with `rows_in_call` (the default) hands its staged rows to the
   program as numpy arrays: jax copies them to the device within the program call, as it does the call's other
-  host inputs (tokens, page tables), so the call pays no device_put of its own (a Python-level dispatch that cost
-  more than the copy of a few hundred KB); those buffers are fresh and never reused (the call may still read them
-  after it returns);
+  host inputs (tokens, page tables), so the call pays no device_put of its own (a Python-level dispatch, a
+  fixed cost per call; bench/engram_copy.py measures both); those buffers are fresh and never reused (the call
+  may still read them after it returns);
 - pooled span buffers and staging buffers come from `Staging` (engram_staging.py). With `pinned_staging` (the
   default) on a GPU they are registered with the device client once and put with `alias`: the DMA reads them
   directly, with no host copy on the engine thread (device_put's copy semantics cost a memcpy of every row there);
-  where the client cannot register memory (CPU) they are plain buffers copied by `put` as before.
+  on a GPU client that cannot register memory they are plain buffers put with `alias` (staged on PjRt's thread);
+  on the CPU backend plain buffers copied by `put` as before.
 
 Invariants: a span is keyed by (request id, pos0) and holds rows of positions that never change (a request's
 tokens are append-only), so a prefetched span is valid for any chunk it covers (n >= the chunk's); a pooled span
 buffer goes back to the pool only once nothing reads it and its device copy completed (`_recycle`, on a worker);
-a registered staging buffer likewise only once its copy completed (`Staging.recycle`, on a worker), a plain one
-is never reused; spans of finished requests are dropped (`forget`) and at most `max_spans` are kept. Hashing
-and gathering on any thread or in any number of pieces give the same rows: outputs are identical to
-device tables whichever path a call takes.
+a staging buffer put with `alias` likewise only once its copy completed (`Staging.recycle`, on a worker), one
+put with copies is never reused; spans of finished requests are dropped (`forget`) and at most `max_spans` are
+kept. Hashing and gathering on any thread or in any number of pieces give the same rows: outputs are identical
+to device tables whichever path a call takes.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ class EngramFeeder:
         self.spans: OrderedDict[tuple, _Span] = OrderedDict()
         self.lock = threading.Lock()
         self.staging = Staging(self.E, pinned, mapper)  # pooled span buffers and staging buffers
-        self.alias = self.staging.mapped  # put(..., alias): the transfer reads our (registered) buffer itself
+        self.alias = self.staging.alias  # put(..., alias): the transfer reads our buffers after put returns
         self.in_call = in_call  # small calls (decode) hand their rows to the program as numpy arrays
         self.threads = gather_threads or default_gather_threads()
         self._gather = ThreadPoolExecutor(3, thread_name_prefix="engram-gather")  # a span at a time each

@@ -10,15 +10,18 @@ How a numpy array reaches a GPU through `jax.device_put` (XLA's PjRt GPU client,
   all: with `may_alias=True` the DMA reads the buffer itself. The CPU client does not implement `dma_map`.
 
 `Staging` owns the buffers the feeder gathers into and stages from. With `pinned` (EngramConfig.pinned_staging)
-it registers each buffer it allocates once (`dma_map`, one page-aligned slab per buffer set: one registration, one
-view per Engram layer) and the feeder puts them with `alias` True: no host copy between the gather and the DMA.
-Where the client cannot register memory (the CPU backend; a failed probe) it says so once in the log and hands out
-plain numpy buffers: today's copy path, unchanged.
+it registers each buffer it allocates once (`dma_map`, one page-aligned allocation per layer, so that every
+transfer starts where a registered range starts) and the feeder puts them with `alias` True: no host copy
+between the gather and the DMA.
+Where a GPU client cannot register memory (a failed probe) it says so once in the log and the buffers are plain
+but still put with `alias` (the staging copy then runs on PjRt's thread, not the caller's); on the CPU backend
+(nothing to speed up, and its client may alias a numpy buffer) plain buffers and copies: today's path, unchanged.
 
 Invariants: a buffer set is handed out by `get` only when no transfer reads it: `recycle(bufs, arrays)` returns it
 only after every device array made from it is ready (the device copy completed; on the caller's worker thread);
-a registered slab is unregistered (`dma_unmap`) when its numpy memory is freed (a weakref finalizer on the slab,
-which every view keeps alive, runs before numpy frees the memory); at most `per_shape` free sets are kept a shape.
+a registered buffer is unregistered (`dma_unmap`) when its numpy memory is freed (a weakref finalizer on the
+allocation, which every view keeps alive, runs before numpy frees the memory); at most `per_shape` free sets are
+kept a shape.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 
 class Staging:
-    """Buffer sets (one [shape] uint8 array per Engram layer, views of one slab) for the feeder (module
+    """Buffer sets (one [shape] uint8 array per Engram layer) for the feeder (module
     docstring). `mapper`: (dma_map, dma_unmap) to use instead of the client's (tests); `pinned` False: plain
     buffers and copies."""
 
@@ -75,14 +78,19 @@ class Staging:
         self.n_layers, self.per_shape = n_layers, per_shape
         self.free: dict[tuple, list] = {}
         self.lock = threading.Lock()
-        self.registered = 0  # slabs registered so far
+        self.registered = 0  # buffers registered so far
         self.mapper, why = (mapper, None) if mapper is not None or not pinned else _client_mapper()
+        self.alias = self.mapper is not None  # put with may_alias=True: buffers unchanged until copied
         if pinned and self.mapper is None:
-            _say_once(f"Engram pinned staging unavailable ({why}): host rows are copied by device_put as before")
+            import jax
+
+            self.alias = jax.default_backend() != "cpu"
+            _say_once(f"Engram pinned staging unavailable ({why}): host rows are "
+                      + ("staged by device_put on its own thread" if self.alias else "copied by device_put as before"))
 
     @property
     def mapped(self) -> bool:
-        """Buffers are registered with the device client: put them with may_alias=True (no host copy)."""
+        """Buffers are registered with the device client: the transfer reads them directly (no host copy)."""
         return self.mapper is not None
 
     def get(self, shape: tuple) -> list[np.ndarray]:
@@ -94,17 +102,21 @@ class Staging:
         return self._new(shape)
 
     def _new(self, shape: tuple) -> list[np.ndarray]:
-        per = int(np.prod(shape))
         if self.mapper is None:
             return [np.empty(shape, np.uint8) for _ in range(self.n_layers)]
-        size = max(per * self.n_layers, 1)
+        return [self._registered(shape) for _ in range(self.n_layers)]
+
+    def _registered(self, shape: tuple) -> np.ndarray:
+        """One page-aligned buffer registered on its own: every transfer starts at a registered range's start
+        (some clients look a transfer's range up by its start pointer)."""
+        size = max(int(np.prod(shape)), 1)
         slab = _aligned(size)
         dma_map, dma_unmap = self.mapper
         dma_map(slab.ctypes.data, size)
         fin = weakref.finalize(slab.base, dma_unmap, slab.ctypes.data)  # the allocation every view keeps alive
         fin.atexit = False  # at exit the client may be gone; the process's memory goes with it
         self.registered += 1
-        return [slab[e * per:(e + 1) * per].reshape(shape) for e in range(self.n_layers)]
+        return slab[:int(np.prod(shape))].reshape(shape)
 
     def recycle(self, bufs: list[np.ndarray], arrays=()):
         """Return a buffer set once every device array copied from it is ready (blocks: call on a worker)."""
