@@ -71,7 +71,7 @@ def _engines(a, cfg):
         print(f"[{side}] engine built in {out[side + '_build_s']} s", file=sys.stderr, flush=True)
     out["init_s"] = round(init_s, 1)
     f = out["host"].engram
-    out["host_staging"] = {"pinned": f.alias, "rows_in_call": f.in_call}  # what the host engine's feeder runs
+    out["host_staging"] = {"registered": f.staging.mapped, "alias": f.alias, "rows_in_call": f.in_call}
     return out
 
 

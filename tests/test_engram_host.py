@@ -288,9 +288,10 @@ def test_feeder_paths_give_the_rows_of_a_plain_lookup(feeder_parts, monkeypatch)
     n_puts = len(puts)
     for r in (a, b, c):
         r.tokens.append(int(rng.integers(0, cfg.vocab_size)))
-    got = g.inputs(_inputs(4, 1), [(j, r, len(r.tokens) - 1, 1) for j, r in enumerate((b, c, a))]).chunk.engram_rows
+    d = _Req("d", [int(rng.integers(0, cfg.vocab_size))])  # a first token: less history than the n-grams need
+    got = g.inputs(_inputs(4, 1), [(j, r, len(r.tokens) - 1, 1) for j, r in enumerate((b, c, a, d))]).chunk.engram_rows
     assert len(puts) == n_puts and all(isinstance(x, np.ndarray) for x in got)
-    for j, r in enumerate((b, c, a)):
+    for j, r in enumerate((b, c, a, d)):
         check(got, j, r, len(r.tokens) - 1, 1)
     g.prefetch(a, 0, 40, 64)  # a prefill chunk still goes through put
     assert not isinstance(g.inputs(_inputs(1, 64), [(0, a, 0, 40)]).chunk.engram_rows[0], np.ndarray)

@@ -359,8 +359,7 @@ class EngramFeeder:
         one gather for all of them. A small batch is left to `inputs` (gathered inline: cheaper than a handoff)."""
         if not reqs or not self.prefetching or self._inline(len(reqs)):
             return
-        toks = np.asarray([[r.tokens[-1]] for r in reqs], np.int64)
-        hist = np.stack([self._hist(r.tokens, len(r.tokens) - 1) for r in reqs])
+        toks, hist = self._decode_window([(r.tokens, len(r.tokens) - 1) for r in reqs])
         spans, futs = [], []
         for r in reqs:
             s = _Span(1, 1, pooled=False, eager=False)
@@ -433,15 +432,25 @@ class EngramFeeder:
             self.metrics.inc("engram_rows", sum(t[3] for t in taken) * self.E * self.C)
         return dataclasses.replace(inp, chunk=dataclasses.replace(inp.chunk, engram_rows=arrays))
 
+    def _decode_window(self, at: list[tuple[list, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [k, 1], compressed history [k, h]) of position p of each (tokens, p): one array for all rows
+        when every p has h tokens before it (a decode batch), else row by row."""
+        h = self.h
+        if all(p >= h for _, p in at):
+            win = np.asarray([t[p - h:p + 1] for t, p in at], np.int64)  # [k, h + 1]
+            return win[:, h:], self.hasher.compress(win[:, :h])
+        toks = np.asarray([[t[p]] for t, p in at], np.int64)
+        return toks, np.stack([self._hist(t, p) for t, p in at])
+
     def _inline_rows(self, missing: list, bufs: list[np.ndarray]):
         """Hash and gather the rows of `missing` spans into the staging buffers, on the calling thread."""
-        if all(t[3] == 1 for t in missing):  # decode rows: one hash for all
-            toks = np.asarray([[t[1].tokens[t[2]]] for t in missing], np.int64)
-            hist = np.stack([self._hist(t[1].tokens, t[2]) for t in missing])
-            ids = self.hasher.hash_ids(toks, hist)[:, 0]
-            parts = [(t[0], 1, ids[j:j + 1]) for j, t in enumerate(missing)]
-        else:
-            parts = [(t[0], t[3], self._hash(t[1].tokens, t[2], t[2] + t[3])) for t in missing]
+        if all(t[3] == 1 for t in missing):  # decode rows: one hash and one index for all
+            ids = self.hasher.hash_ids(*self._decode_window([(t[1].tokens, t[2]) for t in missing]))[:, 0]
+            rows = np.asarray([t[0] for t in missing])
+            for e in range(self.E):
+                bufs[e][rows, 0] = self.tables.arrays[e][ids[:, e]]
+            return
+        parts = [(t[0], t[3], self._hash(t[1].tokens, t[2], t[2] + t[3])) for t in missing]
         rows = np.concatenate([np.full(n, r) for r, n, _ in parts])
         cols = np.concatenate([np.arange(n) for _, n, _ in parts])
         ids = np.concatenate([i for _, _, i in parts])
