@@ -368,8 +368,9 @@ def test_registered_staging_is_reused_only_after_its_copy(feeder_parts):
     assert m.mapped == 4 and not m.live  # every buffer was unregistered when its memory was freed
 
 
-def test_pinned_staging_falls_back_on_cpu(caplog):
-    """On the CPU client there is no registration: Staging says so once and hands out plain buffers."""
+def test_pinned_staging_falls_back_on_cpu(caplog, monkeypatch):
+    """On the CPU client there is no registration: Staging says so once and hands out plain buffers, put with
+    copies; a GPU client whose dma_map fails gets plain buffers put with may_alias (staged off the caller)."""
     from serving.engine import engram_staging as es
 
     es._said.clear()
@@ -380,6 +381,11 @@ def test_pinned_staging_falls_back_on_cpu(caplog):
     bufs = a.get((3, 4, 5))
     assert len(bufs) == 2 and bufs[0].shape == (3, 4, 5) and bufs[0].dtype == np.uint8
     assert not es.Staging(2, pinned=False).mapped
+    monkeypatch.setattr(es, "_client_mapper", lambda: (None, "dma_map failed"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    g = es.Staging(2, pinned=True)
+    assert g.alias and not g.mapped and len(g.get((2, 3))) == 2
+    assert not es.Staging(2, pinned=False).alias
 
 
 # ---------------------------------------------------------------------------------------------- storage
