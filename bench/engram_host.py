@@ -63,12 +63,15 @@ def _engines(a, cfg):
     keep = lambda k: k.kind == "decode" or k.decoder in ("none", "window")  # noqa: E731
     out = {}
     for side, extra in (("device", {"engram_config": {"cpu_offload": False}}),
-                        ("host", {"engram_config": {"cpu_offload": True, "gather_threads": a.threads}})):
+                        ("host", {"engram_config": {"cpu_offload": True, "gather_threads": a.threads,
+                                                    **json.loads(a.host_config or "{}")}})):
         t0 = time.perf_counter()
         out[side] = Engine(cfg, EngineArgs(**args, **extra), params=params, progress=not a.smoke, programs=keep)
         out[side + "_build_s"] = round(time.perf_counter() - t0, 1)
         print(f"[{side}] engine built in {out[side + '_build_s']} s", file=sys.stderr, flush=True)
     out["init_s"] = round(init_s, 1)
+    f = out["host"].engram
+    out["host_staging"] = {"registered": f.staging.mapped, "alias": f.alias, "rows_in_call": f.in_call}
     return out
 
 
@@ -334,6 +337,8 @@ def main(argv=None):
     ap.add_argument("--prefill-reps", type=int, default=3, help="1-chunk prompts per engine and round")
     ap.add_argument("--prefill-reps-long", type=int, default=1, help="4-chunk prompts per engine and round")
     ap.add_argument("--threads", type=int, default=0, help="gather threads of the host engine (0: its default)")
+    ap.add_argument("--host-config", default="", help="more --engram-config keys of the host engine (JSON), e.g. "
+                    "'{\"pinned_staging\": false, \"rows_in_call\": false}' for the copies of before")
     ap.add_argument("--lookup-reps", type=int, default=5)
     ap.add_argument("--lookup-rows", type=int, default=0, help="rows of the part-2 table (0: as many as fit)")
     ap.add_argument("--reserve-gib", type=float, default=12.0, help="host memory left free in part 2")

@@ -235,20 +235,21 @@ def test_feeder_paths_give_the_rows_of_a_plain_lookup(feeder_parts, monkeypatch)
     monkeypatch.setattr(eh, "PIECE_ROWS", 16)
     puts = []
 
-    def put(bufs):
+    def put(bufs, alias):
+        assert not alias  # nothing registered on CPU
         puts.append([b.shape for b in bufs])
         return [jax.device_put(b.copy()) for b in bufs]
 
     f = eh.EngramFeeder(cfg, tables, hasher, put, gather_threads=3)
-    get = f.pool.get
+    get = f.staging.get
 
-    def poisoned(shape, n):
-        bufs = get(shape, n)
+    def poisoned(shape):
+        bufs = get(shape)
         for x in bufs:
             x.fill(0xAB)
         return bufs
 
-    f.pool.get = poisoned
+    f.staging.get = poisoned
     rng = np.random.default_rng(4)
     a, b, c = (_Req(n, rng.integers(0, cfg.vocab_size, k).tolist()) for n, k in (("a", 90), ("b", 61), ("c", 7)))
 
@@ -281,7 +282,110 @@ def test_feeder_paths_give_the_rows_of_a_plain_lookup(feeder_parts, monkeypatch)
     f.prefetch(c, 0, 3, 32)
     f.forget("c")
     f.close()  # waits for the recycling
-    assert not f.spans and sum(len(v) for v in f.pool.free.values()) >= 2
+    assert not f.spans and sum(len(v) for v in f.staging.free.values()) >= 2
+    monkeypatch.setattr(eh, "INLINE_ROWS", 4096)
+    g = eh.EngramFeeder(cfg, tables, hasher, put, in_call=True)  # decode rows ride in the program call
+    n_puts = len(puts)
+    for r in (a, b, c):
+        r.tokens.append(int(rng.integers(0, cfg.vocab_size)))
+    d = _Req("d", [int(rng.integers(0, cfg.vocab_size))])  # a first token: less history than the n-grams need
+    got = g.inputs(_inputs(4, 1), [(j, r, len(r.tokens) - 1, 1) for j, r in enumerate((b, c, a, d))]).chunk.engram_rows
+    assert len(puts) == n_puts and all(isinstance(x, np.ndarray) for x in got)
+    for j, r in enumerate((b, c, a, d)):
+        check(got, j, r, len(r.tokens) - 1, 1)
+    g.prefetch(a, 0, 40, 64)  # a prefill chunk still goes through put
+    assert not isinstance(g.inputs(_inputs(1, 64), [(0, a, 0, 40)]).chunk.engram_rows[0], np.ndarray)
+    g.close()
+
+
+class _Mapper:
+    """A stand-in for the device client's dma_map / dma_unmap (the CPU client has none): records the ranges."""
+
+    def __init__(self):
+        self.live, self.mapped = {}, 0
+
+    def map(self, ptr, size):
+        assert ptr % 4096 == 0 and ptr not in self.live
+        self.live[ptr] = size
+        self.mapped += 1
+
+    def unmap(self, ptr):
+        del self.live[ptr]
+
+
+class _Copy:
+    """A device array stand-in whose transfer completes when the test says so."""
+
+    def __init__(self, src: np.ndarray, done):
+        self.src, self.done, self.value = src, done, None
+
+    def block_until_ready(self):
+        self.done.wait(30)
+        self.value = self.src.copy()  # what the transfer read
+        return self
+
+
+def test_registered_staging_is_reused_only_after_its_copy(feeder_parts):
+    """Pinned staging (engram_staging.Staging with a mapper): every put gets views of registered slabs with alias
+    True, one call for all layers; a buffer set is handed out again only after all its copies completed; a buffer is
+    unregistered when freed; outputs equal a plain lookup."""
+    import threading
+
+    from serving.engine import engram_host as eh
+
+    cfg, tables, hasher = feeder_parts
+    m = _Mapper()
+    done = threading.Event()
+    calls = []
+
+    def put(bufs, alias):
+        assert alias and all(b.ctypes.data in m.live and b.nbytes <= m.live[b.ctypes.data] for b in bufs)
+        calls.append(len(bufs))
+        return [_Copy(b, done) for b in bufs]
+
+    f = eh.EngramFeeder(cfg, tables, hasher, put, pinned=True, mapper=(m.map, m.unmap))
+    assert f.alias
+    rng = np.random.default_rng(6)
+    reqs = [_Req(f"d{i}", rng.integers(0, cfg.vocab_size, 12).tolist()) for i in range(3)]
+    got = f.inputs(_inputs(4, 1), [(j, r, 11, 1) for j, r in enumerate(reqs)]).chunk.engram_rows  # inline decode
+    assert calls == [2] and m.mapped == 2  # one registered buffer per layer
+    got2 = f.inputs(_inputs(4, 1), [(j, r, 10, 1) for j, r in enumerate(reqs)]).chunk.engram_rows
+    assert m.mapped == 4  # the first set's copy has not completed: not reused
+    assert got2[0].src.base is not got[0].src.base  # another buffer
+    done.set()
+    for arrays, pos in ((got, 11), (got2, 10)):
+        for a in arrays:
+            a.block_until_ready()
+        for j, r in enumerate(reqs):
+            for e, w in enumerate(_want(hasher, tables, r.tokens, pos, 1)):
+                np.testing.assert_array_equal(arrays[e].value[j, :1], w)
+    f._release_ex.submit(lambda: None).result()  # the recycling has run
+    f.inputs(_inputs(4, 1), [(0, reqs[0], 9, 1)])
+    assert m.mapped == 4  # a completed set came back
+    f.close()
+    del f, got, got2, arrays, a  # (the loop above holds the last set)
+    gc.collect()
+    assert m.mapped == 4 and not m.live  # every buffer was unregistered when its memory was freed
+
+
+def test_pinned_staging_falls_back_on_cpu(caplog, monkeypatch):
+    """On the CPU client there is no registration: Staging says so once and hands out plain buffers, put with
+    copies; a GPU client whose dma_map fails gets plain buffers put with may_alias (staged off the caller)."""
+    from serving.engine import engram_staging as es
+
+    es._said.clear()
+    with caplog.at_level("WARNING", logger=es.__name__):
+        a, b = es.Staging(2, pinned=True), es.Staging(2, pinned=True)
+    assert not a.mapped and not b.mapped and not a.alias and a.registered == 0
+    assert sum("pinned staging unavailable" in r.getMessage() for r in caplog.records) == 1
+    bufs = a.get((3, 4, 5))
+    assert len(bufs) == 2 and bufs[0].shape == (3, 4, 5) and bufs[0].dtype == np.uint8
+    assert not es.Staging(2, pinned=False).mapped
+    monkeypatch.setattr(es, "_client_mapper", lambda: (None, "dma_map failed"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    g = es.Staging(2, pinned=True)
+    assert g.alias and not g.mapped and len(g.get((2, 3))) == 2
+    assert not es.Staging(2, pinned=False).alias
 
 
 # ---------------------------------------------------------------------------------------------- storage

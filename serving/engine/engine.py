@@ -214,6 +214,7 @@ class Engine:
             e = self.args.engram
             self.engram = EngramFeeder(cfg, engram_tables, self.hasher, self.runner.put_engram_rows, self.metrics,
                                        gather_threads=e.gather_threads, prefetch=e.prefetch, eager=not self.runner.dp,
+                                       pinned=e.pinned_staging, in_call=e.rows_in_call,
                                        max_spans=4 * self.args.max_num_seqs * self.runner.n_ranks + 16)
         self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]

@@ -25,17 +25,27 @@ rows a call needs and that are not ready by its dispatch sit on the critical pat
   between collecting a step and dispatching the next, so a worker would not overlap anything). Larger decode
   batches are started on a worker when the previous step's tokens are collected (`prefetch_decode`);
 - `inputs` (at dispatch, on the engine thread) takes an eager one-chunk span's device arrays as they are, or
-  copies the call's spans into a fresh [B, T] staging buffer per layer (never reused: the device copy may still
-  read it) and copies that to the device (`put`: the program's input sharding). The time it spends is the
-  `dsv41:engram_wait_seconds` histogram, the host work per call (hash, gather, staging, starting the copies)
-  `dsv41:engram_lookup_seconds`.
+  copies the call's spans into a [B, T] staging buffer per layer and copies that to the device in one `put` call
+  for all layers (the program's input sharding). The time it spends is the `dsv41:engram_wait_seconds`
+  histogram, the host work per call (hash, gather, staging, starting the copies) `dsv41:engram_lookup_seconds`;
+- a call of at most INLINE_ROWS rows (decode) with `rows_in_call` (the default) hands its staged rows to the
+  program as numpy arrays: jax copies them to the device within the program call, as it does the call's other
+  host inputs (tokens, page tables), so the call pays no device_put of its own (a Python-level dispatch, a
+  fixed cost per call; bench/engram_copy.py measures both); those buffers are fresh and never reused (the call
+  may still read them after it returns);
+- pooled span buffers and staging buffers come from `Staging` (engram_staging.py). With `pinned_staging` (the
+  default) on a GPU they are registered with the device client once and put with `alias`: the DMA reads them
+  directly, with no host copy on the engine thread (device_put's copy semantics cost a memcpy of every row there);
+  on a GPU client that cannot register memory they are plain buffers put with `alias` (staged on PjRt's thread);
+  on the CPU backend plain buffers copied by `put` as before.
 
 Invariants: a span is keyed by (request id, pos0) and holds rows of positions that never change (a request's
 tokens are append-only), so a prefetched span is valid for any chunk it covers (n >= the chunk's); a pooled span
 buffer goes back to the pool only once nothing reads it and its device copy completed (`_recycle`, on a worker);
-a staging buffer is never reused; spans of finished requests are dropped (`forget`) and at most `max_spans` are
-kept. Hashing and gathering on any thread or in any number of pieces give the same rows: outputs are identical to
-device tables whichever path a call takes.
+a staging buffer put with `alias` likewise only once its copy completed (`Staging.recycle`, on a worker), one
+put with copies is never reused; spans of finished requests are dropped (`forget`) and at most `max_spans` are
+kept. Hashing and gathering on any thread or in any number of pieces give the same rows: outputs are identical
+to device tables whichever path a call takes.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import numpy as np
 
 from checkpoints.host_tables import StoreOptions
 from dsv41_jax.engram_rows import table_bytes
+from serving.engine.engram_staging import Staging
 
 # Default: tables above this many GiB (all Engram layers together) live in host memory. Below it they cost under
 # 3% of an H200's memory and the in-program gather is free; V4.1-Flash's 189 GiB must leave the GPUs, medium's
@@ -78,6 +89,10 @@ class EngramConfig:
     offload_threshold_gib: float = OFFLOAD_THRESHOLD_GIB
     gather_threads: int = 0  # host threads gathering rows (0: GATHER_THREADS, capped by the CPUs)
     prefetch: bool = True  # start gathers when tokens are known (off: at dispatch; for measurements)
+    rows_in_call: bool = True  # decode-size calls pass their rows to the program as numpy arrays (copied within
+    # the program call like its other host inputs) instead of a device_put of their own (engram_host.py)
+    pinned_staging: bool = True  # gather into buffers registered with the device client: no host copy before the
+    # DMA (engram_staging.py); where the client cannot register memory (CPU) rows are copied as before
 
     @staticmethod
     def parse(value) -> EngramConfig:
@@ -98,7 +113,7 @@ class EngramConfig:
         if bad:
             raise ValueError(f"--engram-config: unknown key(s) {bad}; known: {sorted(known)}")
         cfg = EngramConfig(**value)
-        for name in ("use_thp", "dp_shared_memory", "keep_shared", "prefetch"):
+        for name in ("use_thp", "dp_shared_memory", "keep_shared", "prefetch", "pinned_staging", "rows_in_call"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"--engram-config: {name} must be true or false")
         if cfg.cpu_offload is not None and not isinstance(cfg.cpu_offload, bool):
@@ -168,28 +183,6 @@ class _Span:
         self.future: Future | None = None  # -> _Rows
 
 
-class _BufferPool:
-    """Free host buffers by shape (a span buffer goes back once nothing reads it and its device copy is done)."""
-
-    def __init__(self, per_shape: int = 4):
-        self.free: dict[tuple, list] = {}
-        self.lock = threading.Lock()
-        self.per_shape = per_shape
-
-    def get(self, shape: tuple, n_layers: int) -> list[np.ndarray]:
-        with self.lock:
-            lst = self.free.get(shape)
-            if lst:
-                return lst.pop()
-        return [np.zeros(shape, np.uint8) for _ in range(n_layers)]
-
-    def put(self, shape: tuple, bufs: list[np.ndarray]):
-        with self.lock:
-            lst = self.free.setdefault(shape, [])
-            if len(lst) < self.per_shape:
-                lst.append(bufs)
-
-
 def default_gather_threads() -> int:
     """GATHER_THREADS, or this process's CPUs when fewer."""
     import os
@@ -208,7 +201,8 @@ class EngramFeeder:
     prefetched chunk's rows go to the device layer by layer as soon as they are gathered."""
 
     def __init__(self, cfg, tables, hasher, put, metrics=None, *, gather_threads: int = 0, prefetch: bool = True,
-                 max_spans: int = 256, eager: bool = True):
+                 max_spans: int = 256, eager: bool = True, pinned: bool = False, mapper=None,
+                 in_call: bool = False):
         self.cfg, self.tables, self.hasher, self.put, self.metrics = cfg, tables, hasher, put, metrics
         self.E, self.C, self.RB = len(tables.arrays), hasher.layout.n_cols, tables.fmt.row_bytes
         self.h = hasher.n - 1
@@ -217,7 +211,9 @@ class EngramFeeder:
         self.max_spans = max_spans
         self.spans: OrderedDict[tuple, _Span] = OrderedDict()
         self.lock = threading.Lock()
-        self.pool = _BufferPool()
+        self.staging = Staging(self.E, pinned, mapper)  # pooled span buffers and staging buffers
+        self.alias = self.staging.alias  # put(..., alias): the transfer reads our buffers after put returns
+        self.in_call = in_call  # small calls (decode) hand their rows to the program as numpy arrays
         self.threads = gather_threads or default_gather_threads()
         self._gather = ThreadPoolExecutor(3, thread_name_prefix="engram-gather")  # a span at a time each
         self._split = ThreadPoolExecutor(self.threads, thread_name_prefix="engram-split")
@@ -272,7 +268,7 @@ class EngramFeeder:
         the device as soon as it is gathered, so its copy overlaps the next layer's gather."""
         t0 = time.perf_counter()
         n, cap = span.n, span.cap
-        bufs = self.pool.get((cap, self.C, self.RB), self.E) if span.pooled else \
+        bufs = self.staging.get((cap, self.C, self.RB)) if span.pooled else \
             [np.empty((cap, self.C, self.RB), np.uint8) for _ in range(self.E)]
         dev = []
         pieces = self._pieces(n)
@@ -295,7 +291,7 @@ class EngramFeeder:
                     self._map(lambda i, e=e: self._take_layer(ids[i], e, bufs[e][pieces[i][0]:pieces[i][1]]),
                               range(len(pieces)))
             if span.eager:
-                dev += self.put([bufs[e][None]])  # asynchronous: the copy runs while the next layer is gathered
+                dev += self.put([bufs[e][None]], self.alias)  # asynchronous: copied while the next layer is gathered
         span.gather_s = time.perf_counter() - t0
         return _Rows(bufs, tuple(dev) if span.eager else None)
 
@@ -333,11 +329,9 @@ class EngramFeeder:
     def _recycle(self, span: _Span):
         try:
             rows = span.future.result()
-            for a in rows.dev or ():
-                a.block_until_ready()  # the copy has read the host buffers
+            self.staging.recycle(rows.host, rows.dev or ())  # once the copies have read the host buffers
         except BaseException:  # noqa: BLE001 - a failed span's buffers are not reused
             return
-        self.pool.put(rows.host[0].shape, rows.host)
 
     def prefetch(self, req, pos0: int, n: int, cap: int | None = None):
         """Start gathering rows [pos0, pos0 + n) of `req` (a prompt chunk); `cap`: the buffer's rows (the
@@ -365,8 +359,7 @@ class EngramFeeder:
         one gather for all of them. A small batch is left to `inputs` (gathered inline: cheaper than a handoff)."""
         if not reqs or not self.prefetching or self._inline(len(reqs)):
             return
-        toks = np.asarray([[r.tokens[-1]] for r in reqs], np.int64)
-        hist = np.stack([self._hist(r.tokens, len(r.tokens) - 1) for r in reqs])
+        toks, hist = self._decode_window([(r.tokens, len(r.tokens) - 1) for r in reqs])
         spans, futs = [], []
         for r in reqs:
             s = _Span(1, 1, pooled=False, eager=False)
@@ -413,14 +406,25 @@ class EngramFeeder:
         else:
             got = [(row, n, span, span.future.result().host) for row, _, _, n, span in taken if span is not None]
             t1 = time.perf_counter()
-            bufs = [np.empty((B, T, self.C, self.RB), np.uint8) for _ in range(self.E)]  # never reused
+            # a small call's rows ride in the program call (fresh buffers: the call's transfer may read them after
+            # it returns, and nothing tells us when it did); registered staging goes back to the pool once copied;
+            # other plain buffers are never reused either
+            in_call = self.in_call and self._inline(B * T)
+            pooled = self.alias and not in_call
+            bufs = self.staging.get((B, T, self.C, self.RB)) if pooled else \
+                [np.empty((B, T, self.C, self.RB), np.uint8) for _ in range(self.E)]
             if missing and inline:  # one hash and one gather on this thread
                 self._inline_rows(missing, bufs)
             for row, n, span, src in got:
                 for e in range(self.E):
                     bufs[e][row, :n] = src[e][:n]
                 self._release(span)
-            arrays = tuple(self.put(bufs))
+            if in_call:
+                arrays = tuple(bufs)  # numpy: copied by the program call with its other host inputs
+            else:
+                arrays = tuple(self.put(bufs, self.alias))  # one device_put call for every layer
+                if pooled:
+                    self._release_ex.submit(self.staging.recycle, bufs, arrays)
             lookup = sum(g[2].gather_s for g in got) + time.perf_counter() - t1
         if self.metrics is not None:
             self.metrics.observe("engram_wait", time.perf_counter() - t0)
@@ -428,15 +432,25 @@ class EngramFeeder:
             self.metrics.inc("engram_rows", sum(t[3] for t in taken) * self.E * self.C)
         return dataclasses.replace(inp, chunk=dataclasses.replace(inp.chunk, engram_rows=arrays))
 
+    def _decode_window(self, at: list[tuple[list, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [k, 1], compressed history [k, h]) of position p of each (tokens, p): one array for all rows
+        when every p has h tokens before it (a decode batch), else row by row."""
+        h = self.h
+        if all(p >= h for _, p in at):
+            win = np.asarray([t[p - h:p + 1] for t, p in at], np.int64)  # [k, h + 1]
+            return win[:, h:], self.hasher.compress(win[:, :h])
+        toks = np.asarray([[t[p]] for t, p in at], np.int64)
+        return toks, np.stack([self._hist(t, p) for t, p in at])
+
     def _inline_rows(self, missing: list, bufs: list[np.ndarray]):
         """Hash and gather the rows of `missing` spans into the staging buffers, on the calling thread."""
-        if all(t[3] == 1 for t in missing):  # decode rows: one hash for all
-            toks = np.asarray([[t[1].tokens[t[2]]] for t in missing], np.int64)
-            hist = np.stack([self._hist(t[1].tokens, t[2]) for t in missing])
-            ids = self.hasher.hash_ids(toks, hist)[:, 0]
-            parts = [(t[0], 1, ids[j:j + 1]) for j, t in enumerate(missing)]
-        else:
-            parts = [(t[0], t[3], self._hash(t[1].tokens, t[2], t[2] + t[3])) for t in missing]
+        if all(t[3] == 1 for t in missing):  # decode rows: one hash and one index for all
+            ids = self.hasher.hash_ids(*self._decode_window([(t[1].tokens, t[2]) for t in missing]))[:, 0]
+            rows = np.asarray([t[0] for t in missing])
+            for e in range(self.E):
+                bufs[e][rows, 0] = self.tables.arrays[e][ids[:, e]]
+            return
+        parts = [(t[0], t[3], self._hash(t[1].tokens, t[2], t[2] + t[3])) for t in missing]
         rows = np.concatenate([np.full(n, r) for r, n, _ in parts])
         cols = np.concatenate([np.arange(n) for _, n, _ in parts])
         ids = np.concatenate([i for _, _, i in parts])

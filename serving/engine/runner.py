@@ -512,16 +512,18 @@ class Runner:
         else:
             self.pools = fn(self.pools, src, dst)
 
-    def put_engram_rows(self, bufs: list[np.ndarray]) -> list:
+    def put_engram_rows(self, bufs: list[np.ndarray], alias: bool = False) -> list:
         """Host Engram rows (one [rows, T, n_cols, row_bytes] per layer) onto the devices as the programs take
-        them (a copy: the host buffers may be reused once it completed)."""
+        them, in one device_put call. `alias` False: copied during the call (the host buffers may be reused at
+        once); True: the transfer reads them after the call returns, so they must stay unchanged until the arrays
+        are ready (serving/engine/engram_staging.py: buffers registered with the client are not staged at all)."""
         if self.mesh is None:
             sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         else:
             sh = NamedSharding(self.mesh, P(DATA) if self.dp else P())
         if jax.default_backend() == "cpu":  # the CPU client may alias a numpy buffer (even with may_alias=False)
-            bufs = [b.copy() for b in bufs]
-        return [jax.device_put(b, sh, may_alias=False) for b in bufs]
+            bufs, alias = [b.copy() for b in bufs], False
+        return list(jax.device_put(list(bufs), sh, may_alias=alias))
 
     # ------------------------------------------------------------------ host tier (serving.engine.host_tier)
     @staticmethod
