@@ -170,8 +170,9 @@ class EngineArgs:
         'Engram tables, as JSON with vLLM\'s keys: {"cpu_offload": true} keeps them in host memory (one copy per '
         "host in /dev/shm, huge pages where the OS allows), rows gathered by host threads and copied to the GPU "
         "before each step (serving/engine/engram_host.py; other keys: use_thp, dp_shared_memory, shm_dir, "
-        f"keep_shared, gather_threads, prefetch, offload_threshold_gib). Default: host memory for tables over "
-        f"{OFFLOAD_THRESHOLD_GIB:g} GiB (the full model's 189 GiB), the device otherwise", metavar="JSON"))
+        "keep_shared, gather_threads, prefetch, pinned_staging, rows_in_call, offload_threshold_gib). Default: host "
+        f"memory for tables over {OFFLOAD_THRESHOLD_GIB:g} GiB (the full model's 189 GiB), the device otherwise",
+        metavar="JSON"))
     speculative_config: str | None = field(default=None, metadata=cli(
         "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"method\": \"dspark\", "
