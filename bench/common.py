@@ -38,3 +38,15 @@ def write_result(path, result: dict, command: str, source: dict | None = None):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(rec, indent=2) + "\n")
     return rec
+
+
+# `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): the auto of
+# before the Sinkhorn kernel ran inside XLA's mHC boundary (its while loop kept on XLA), for side-by-side runs.
+KERNEL_VARIANTS = {"auto-xla-sinkhorn": ("gate", "hc_boundary", "ring_write", "hc_coefficients")}
+
+
+def kernel_args(spec: str) -> dict:
+    """EngineArgs keywords for a benchmark's `--kernels` entry (an engine choice or a KERNEL_VARIANTS name)."""
+    if spec in KERNEL_VARIANTS:
+        return {"kernels": "pallas", "xla_ops": KERNEL_VARIANTS[spec]}
+    return {"kernels": spec}

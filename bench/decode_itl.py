@@ -159,6 +159,7 @@ def main(argv=None):
 
     import checkpoints
     import dsv41_jax  # noqa: F401
+    from bench.common import kernel_args
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.kv_format import pages_for
     from serving.engine import Engine, EngineArgs
@@ -184,7 +185,8 @@ def main(argv=None):
     for impl in a.kernels.split(","):
         bl = [int(x) for x in a.xla_batches.split(",")] if (impl == "xla" and a.xla_batches) else batches
         args = EngineArgs(max_model_len=mml, max_num_seqs=max(bl), max_num_batched_tokens=cfg.window_size,
-                          prefill_buckets=(cfg.window_size,), decode_buckets=tuple(bl), kernels=impl,
+                          prefill_buckets=(cfg.window_size,), decode_buckets=tuple(bl),
+                          **kernel_args(impl),
                           enable_prompt_logprobs=False, enable_prefix_caching=False,
                           num_pages=1 + max(bl) * pages_for(mml))
         t0 = time.perf_counter()

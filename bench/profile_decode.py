@@ -88,6 +88,7 @@ def main(argv=None):
 
     import checkpoints
     import dsv41_jax  # noqa: F401
+    from bench.common import kernel_args
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.kv_format import pages_for
     from serving.engine import Engine, EngineArgs
@@ -101,7 +102,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for impl in a.kernels.split(","):
         args = EngineArgs(max_model_len=mml, max_num_seqs=a.batch, max_num_batched_tokens=cfg.window_size,
-                          prefill_buckets=(cfg.window_size,), decode_buckets=(a.batch,), kernels=impl,
+                          prefill_buckets=(cfg.window_size,), decode_buckets=(a.batch,), **kernel_args(impl),
                           enable_prompt_logprobs=False, enable_prefix_caching=False,
                           num_pages=1 + a.batch * pages_for(mml))
         eng = Engine(cfg, args, params=params, progress=False, programs=lambda k: k.kind == "decode")

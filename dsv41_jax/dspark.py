@@ -174,7 +174,7 @@ def block_logits(cfg: ModelConfig, params, tokens, bpos, attend, ex: ops.ExecCon
     for s in range(cfg.n_mtp_layers):
         lp = _stage(dp, s)
         ap = lp["attn"]
-        a_pre, a_post, a_comb = layers.hc_mixes(cfg, h, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
+        a_pre, a_post, a_comb = ops.hc_mixes(ex, cfg, h, lp["hc_attn_fn"], lp["hc_attn_scale"], lp["hc_attn_base"])
         x = layers.rms_norm(cfg, layers.hc_pre(h, pre), lp["attn_norm"])
         qr = layers.rms_norm(cfg, ops.linear(ex, cfg, ap["wq_a"], x), ap["q_norm"])
         q = apply_rope(ops.linear(ex, cfg, ap["wq_b"], qr).reshape(R, k, H, d), bpos, freqs)
@@ -182,7 +182,7 @@ def block_logits(cfg: ModelConfig, params, tokens, bpos, attend, ex: ops.ExecCon
         o = apply_rope(o, bpos, freqs, inverse=True)
         o = ops.grouped_out_proj(ex, cfg, ap["wo_a"], o.reshape(R, k, G, -1))
         h = layers.hc_post(ops.linear(ex, cfg, ap["wo_b"], o.reshape(R, k, -1)), h, a_post, a_comb)
-        f_pre, f_post, f_comb = layers.hc_mixes(cfg, h, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
+        f_pre, f_post, f_comb = ops.hc_mixes(ex, cfg, h, lp["hc_ffn_fn"], lp["hc_ffn_scale"], lp["hc_ffn_base"])
         x = layers.rms_norm(cfg, layers.hc_pre(h, a_pre), lp["ffn_norm"])
         y, _ = ops.moe(ex, dcfg, lp["ffn"], x)
         h, pre = layers.hc_post(y, h, f_post, f_comb), f_pre

@@ -83,10 +83,14 @@ def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float):
     return pre, post, c
 
 
-def hc_mixes(cfg, x, fn, scale, base):
-    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised)."""
-    return hc_coefficients(hc_logits(cfg, x, fn), scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
-                           eps=cfg.hc_eps)
+def hc_mixes(cfg, x, fn, scale, base, coefficients=None):
+    """x [..., hc, D] -> pre [..., hc], post [..., hc], comb [..., hc, hc] (Sinkhorn-normalised).
+    coefficients: (m, scale, base) -> (pre, post, comb) in place of `hc_coefficients` (the ops seam passes the
+    Pallas Sinkhorn kernel there); None: the jnp reference."""
+    m = hc_logits(cfg, x, fn)
+    if coefficients is not None:
+        return coefficients(m, scale, base)
+    return hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
 
 
 def hc_pre(x, pre):
@@ -110,16 +114,16 @@ def hc_pack(pre, post, comb):
     return jnp.concatenate([pre, post, comb.reshape(*comb.shape[:-2], -1)], axis=-1)
 
 
-def hc_boundary(cfg, h, y, mix, fn, scale, base, norm_w):
+def hc_boundary(cfg, h, y, mix, fn, scale, base, norm_w, coefficients=None):
     """One sublayer boundary of single-pass mHC, the reference of the Mega-mHC kernel (pallas_kernels/mega_mhc):
     h [..., hc, D] still owes the previous sublayer's output y [..., D], mixed in with the post / comb of the
     previous boundary's packed mixes `mix`, whose pre is the next sublayer's pre-mix (the "delayed" pre of
     single-pass mHC: mixes computed before the previous sublayer ran). Returns (h' = hc_post(y, h, post, comb),
-    x = RMSNorm(hc_pre(h', pre), norm_w), mix' = hc_mixes(h') packed)."""
+    x = RMSNorm(hc_pre(h', pre), norm_w), mix' = hc_mixes(h') packed); `coefficients` as hc_mixes."""
     pre, post, comb = hc_split(cfg, mix)
     h = hc_post(y, h, post, comb)
     x = rms_norm(cfg, hc_pre(h, pre), norm_w)
-    return h, x, hc_pack(*hc_mixes(cfg, h, fn, scale, base))
+    return h, x, hc_pack(*hc_mixes(cfg, h, fn, scale, base, coefficients))
 
 
 # ----------------------------------------------------------------------------- MoE

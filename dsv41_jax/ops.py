@@ -45,7 +45,7 @@ from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
-from pallas_kernels import gemm, mega_gate, mega_mhc
+from pallas_kernels import gemm, mega_gate, mega_mhc, mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
 from pallas_kernels import ring_write as ring_kernel
@@ -54,11 +54,14 @@ from pallas_kernels import sparse_attention as attn_kernel
 KERNEL_CHOICES = ("xla", "pallas")
 # Ops whose XLA implementation also runs inside a Pallas program (same operands and KV layout), so that a context
 # may keep them on XLA where their kernel loses (ExecContext.xla_ops).
-XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "ring_write")
+XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write")
 # What `--kernels auto` keeps on XLA: the fused kernels that measured slower than XLA's fusions on the H200
 # (bench/results/fused_kernels_h200.json, in-program loop time per call at D = 5120: Mega-mHC 72.9 us vs 27.8 at
 # 1 row, 1159 vs 34.7 at 256; Mega-Gate (384 experts) 43.2 vs 21.5 at 1 row, 94.6 vs 66.3 at 256; ring_write
-# 23.8 vs 17.6 at 1 row). `--kernels pallas` runs every kernel.
+# 23.8 vs 17.6 at 1 row). `--kernels pallas` runs every kernel. The Sinkhorn kernel (hc_coefficients) stays on
+# inside XLA's boundary: XLA runs its 19 iterations as a while loop of ~4 kernels each, ~6,000 of a medium decode
+# step's ~9,900 kernels; with the kernel, 3,858 kernels and FP8 ITL 18.1 ms instead of 30.2 at batch 1
+# (bench/results/decode_medium_fp8_sinkhorn_ab_h200.json, profile_decode_medium_fp8_auto*_h200.json).
 AUTO_XLA_OPS = ("gate", "hc_boundary", "ring_write")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -259,6 +262,11 @@ def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
             mix.reshape(B, T, -1))
 
 
+def _pallas_hc_coefficients(cfg, m, scale, base):
+    """The Sinkhorn of the mixes in one kernel (the XLA boundary's while loop is ~4 launches per iteration)."""
+    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+
+
 def _pallas_gate(cfg, p, x):
     """Mega-Gate: the router in one kernel, the gate weight read in place from its layer stack."""
     w, b, layer = (p.stack["weight"], p.stack["bias"], p.index) if isinstance(p, LayerRef) else (
@@ -285,6 +293,7 @@ PALLAS_OPS: dict[str, object] = {
     "gate": _pallas_gate,  # Mega-Gate: gate GEMM, sqrtsoftplus, bias, top-k, normalisation in one kernel
     "ring_write": _pallas_ring_write,  # FP8 quantise + pack + in-place store of the SWA entries
     "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
+    "hc_coefficients": _pallas_hc_coefficients,  # the Sinkhorn alone, inside XLA's boundary (and the draft's mixes)
 }
 
 
@@ -523,8 +532,23 @@ def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
         return impl(cfg, res, w, sub, quantize)
     p = materialize(w)
     h, x, mix = layers.hc_boundary(cfg, res.h, res.y, res.mix, p[f"hc_{sub}_fn"], p[f"hc_{sub}_scale"],
-                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"])
+                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"], _coefficients(ex, cfg))
     return h, x, None, mix
+
+
+def _coefficients(ex: ExecContext, cfg):
+    """The Sinkhorn kernel as layers.hc_mixes' `coefficients` (replicated under TP), or None: the jnp reference."""
+    impl = _impl(ex, "hc_coefficients")
+    if impl is None:
+        return None
+    if ex.tp:
+        return lambda m, s, b: parallel.replicated(ex, partial(impl, cfg), m, s, b)
+    return partial(impl, cfg)
+
+
+def hc_mixes(ex: ExecContext, cfg, x, fn, scale, base):
+    """`layers.hc_mixes` with the context's Sinkhorn (the draft's boundaries, which have no packed mixes)."""
+    return layers.hc_mixes(cfg, x, fn, scale, base, _coefficients(ex, cfg))
 
 
 # ----------------------------------------------------------------------------- attention and indexer

@@ -36,3 +36,42 @@ def test_xla_ops_route_only_the_named_ops(monkeypatch):
 
     assert ops._gate(mixed) is layers.gate  # the router the MoE calls
     assert ops._gate(ops.ExecContext(kernels="pallas")) is ops.PALLAS_OPS["gate"]
+
+
+def test_auto_boundary_runs_the_sinkhorn_kernel_inside_xla(monkeypatch):
+    """Under auto, XLA's mHC boundary calls the Sinkhorn kernel (pallas_kernels/mhc) in place of its while loop:
+    the kernel is the one called, and the boundary's outputs match the all-XLA boundary on random inputs."""
+    import jax.numpy as jnp
+
+    cfg = TINY
+    hc, D, N = cfg.hc_mult, cfg.dim, 5
+    ks = jax.random.split(jax.random.key(3), 6)
+    res = ops.Residual(h=jax.random.normal(ks[0], (1, N, hc, D), jnp.bfloat16),
+                   y=jax.random.normal(ks[1], (1, N, D), jnp.bfloat16),
+                   mix=jax.random.normal(ks[2], (1, N, (2 + hc) * hc), jnp.float32))
+    w = {"hc_attn_fn": 0.05 * jax.random.normal(ks[3], ((2 + hc) * hc, hc * D), jnp.float32),
+         "hc_attn_scale": jnp.array([0.7, 1.1, 0.9], jnp.float32),
+         "hc_attn_base": 0.3 * jax.random.normal(ks[4], ((2 + hc) * hc,), jnp.float32),
+         "attn_norm": 1 + 0.1 * jax.random.normal(ks[5], (D,), jnp.float32)}
+    calls = []
+    kernel = ops.PALLAS_OPS["hc_coefficients"]
+
+    def counted(*a):
+        calls.append(1)
+        return kernel(*a)
+
+    ref = ops.hc_boundary(ops.ExecContext(kernels="xla"), cfg, res, w, "attn")
+    assert not calls
+    auto = ops.ExecContext(kernels="pallas", xla_ops=ops.AUTO_XLA_OPS)
+    monkeypatch.setitem(ops.PALLAS_OPS, "hc_coefficients", counted)
+    got = ops.hc_boundary(auto, cfg, res, w, "attn")
+    assert calls == [1]
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+            continue
+        g, r = jnp.asarray(g, jnp.float32), jnp.asarray(r, jnp.float32)
+        assert float(jnp.max(jnp.abs(g - r) / jnp.maximum(1.0, jnp.abs(r)))) <= 2e-5
+    # the mixes differ from the input mixes (the Sinkhorn ran), and the comb block is doubly stochastic
+    mix = got[3].reshape(N, -1)[:, 2 * hc:].reshape(N, hc, hc)
+    assert float(jnp.max(jnp.abs(jnp.sum(mix, axis=-2) - 1))) < 1e-3

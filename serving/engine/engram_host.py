@@ -33,8 +33,8 @@ rows a call needs and that are not ready by its dispatch sit on the critical pat
   host inputs (tokens, page tables), so the call pays no device_put of its own (a Python-level dispatch, a
   fixed cost per call; bench/engram_copy.py measures both); those buffers are fresh and never reused (the call
   may still read them after it returns);
-- pooled span buffers and staging buffers come from `Staging` (engram_staging.py). With `pinned_staging` (off by
-  default until bench/engram_copy.py has measured it on a GPU) on a GPU they are registered with the device client
+- pooled span buffers and staging buffers come from `Staging` (engram_staging.py). With `pinned_staging` (the
+  default; bench/results/engram_copy_medium_h200.json) on a GPU they are registered with the device client
   once and put with `alias`: the DMA reads them directly, with no host copy on the engine thread (device_put's
   copy semantics cost a memcpy of every row there); on a GPU client that cannot register memory they are plain
   buffers put with `alias` (staged on PjRt's thread); on the CPU backend plain buffers copied by `put` as before.
@@ -91,8 +91,9 @@ class EngramConfig:
     prefetch: bool = True  # start gathers when tokens are known (off: at dispatch; for measurements)
     rows_in_call: bool = True  # decode-size calls pass their rows to the program as numpy arrays (copied within
     # the program call like its other host inputs) instead of a device_put of their own (engram_host.py)
-    pinned_staging: bool = False  # gather into buffers registered with the device client: no host copy before the
-    # DMA (engram_staging.py; off until bench/engram_copy.py has measured it on a GPU); CPU: rows copied as before
+    pinned_staging: bool = True  # gather into buffers registered with the device client: no host copy before the
+    # DMA (engram_staging.py; bench/results/engram_copy_medium_h200.json: a 2K chunk's rows 1.6 ms vs 5.2 copied);
+    # CPU: rows copied as before
 
     @staticmethod
     def parse(value) -> EngramConfig:

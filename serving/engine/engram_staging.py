@@ -37,10 +37,10 @@ PAGE = 4096
 _said = set()  # fallback reasons already logged (once a process)
 
 
-def _say_once(msg: str):
+def _say_once(msg: str, level: int = logging.WARNING):
     if msg not in _said:
         _said.add(msg)
-        log.warning(msg)
+        log.log(level, msg)
 
 
 def _client_mapper():
@@ -85,8 +85,10 @@ class Staging:
             import jax
 
             self.alias = jax.default_backend() != "cpu"
+            # expected on the CPU backend (the default is on): said at INFO there, a WARNING on a GPU
             _say_once(f"Engram pinned staging unavailable ({why}): host rows are "
-                      + ("staged by device_put on its own thread" if self.alias else "copied by device_put as before"))
+                      + ("staged by device_put on its own thread" if self.alias else "copied by device_put as before"),
+                      logging.WARNING if self.alias else logging.INFO)
 
     @property
     def mapped(self) -> bool:
