@@ -51,12 +51,13 @@ def _place(vals, width):
 
 
 def coefficients(m, s, base, *, hc, iters, eps):
-    """The Sinkhorn part on a [bn, WIDTH] f32 block of mixing logits, inside a kernel body: s = the 3 scales
-    (f32 scalars), base(k) = base[k] (an f32 scalar). Returns (pre, post, comb) as lists of [bn] columns (comb
-    flat, row-major). Shared with pallas_kernels/mega_mhc."""
-    pre = [_sigmoid(_col(m, k) * s[0] + base(k)) + eps for k in range(hc)]
-    post = [2.0 * _sigmoid(_col(m, hc + k) * s[1] + base(hc + k)) for k in range(hc)]
-    c = [[_col(m, 2 * hc + i * hc + j) * s[2] + base(2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
+    """The Sinkhorn part inside a kernel body: m = the mixing logits, a [bn, WIDTH] f32 block or col(k) -> column k
+    as a [bn] vector; s = the 3 scales (f32 scalars), base(k) = base[k] (an f32 scalar). Returns (pre, post, comb)
+    as lists of [bn] columns (comb flat, row-major). Shared with pallas_kernels/mega_mhc."""
+    col = m if callable(m) else (lambda k: _col(m, k))
+    pre = [_sigmoid(col(k) * s[0] + base(k)) + eps for k in range(hc)]
+    post = [2.0 * _sigmoid(col(hc + k) * s[1] + base(hc + k)) for k in range(hc)]
+    c = [[col(2 * hc + i * hc + j) * s[2] + base(2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
 
     def row_sum(c, i):
         acc = c[i][0]
@@ -95,19 +96,17 @@ def coefficients(m, s, base, *, hc, iters, eps):
     return pre, post, list(flat)
 
 
-def _kernel(m_ref, sb_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
+def _kernel(m_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
     r0 = pl.program_id(0) * bn
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     ok = rows < n_rows
-    m = plt.load(m_ref.at[pl.ds(r0, bn), :], mask=ok[:, None], other=0.0)
-    sb = sb_ref[...]  # [2, WIDTH]: row 0 = the 3 scales, row 1 = base
-    iota = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 1)
-    first = jax.lax.broadcasted_iota(jnp.int32, sb.shape, 0) == 0
+    # each logit column loaded as its own [bn] vector and each scale / base entry as a scalar: no reductions to
+    # pick them out of a block (they were most of a small call's time)
+    def col(k):
+        return plt.load(m_ref.at[pl.ds(r0, bn), pl.ds(k, 1)], mask=ok[:, None], other=0.0).reshape(bn)
 
-    def sbv(row, k):
-        return jnp.sum(jnp.where((first == (row == 0)) & (iota == k), sb, 0.0))
-
-    pre, post, comb = coefficients(m, [sbv(0, k) for k in range(3)], lambda k: sbv(1, k), hc=hc, iters=iters,
+    pre, post, comb = coefficients(col,
+                                   [scale_ref[k] for k in range(3)], lambda k: base_ref[k], hc=hc, iters=iters,
                                    eps=eps)
     plt.store(pre_ref.at[pl.ds(r0, bn), :], _place(pre, pre_ref.shape[1]), mask=ok[:, None])
     plt.store(post_ref.at[pl.ds(r0, bn), :], _place(post, post_ref.shape[1]), mask=ok[:, None])
@@ -117,8 +116,6 @@ def _kernel(m_ref, sb_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_row
 @functools.partial(jax.jit, static_argnames=("hc", "iters", "eps", "interpret", "block_rows"))
 def _pallas(m, scale, base, *, hc, iters, eps, interpret, block_rows):
     N, width = m.shape
-    mp = jnp.pad(m.astype(F32), ((0, 0), (0, WIDTH - width)))
-    sb = jnp.zeros((2, WIDTH), F32).at[0, :3].set(scale.astype(F32)).at[1, :width].set(base.astype(F32))
     bn = block_rows
     hcp = max(hc, 1)
     out_shapes = (jax.ShapeDtypeStruct((N, hcp), F32), jax.ShapeDtypeStruct((N, hcp), F32),
@@ -127,10 +124,10 @@ def _pallas(m, scale, base, *, hc, iters, eps, interpret, block_rows):
     pre, post, comb = pl.pallas_call(
         functools.partial(_kernel, hc=hc, iters=iters, eps=eps, n_rows=N, bn=bn),
         out_shape=out_shapes, grid=(pl.cdiv(N, bn),),
-        in_specs=[any_spec, pl.BlockSpec((2, WIDTH), lambda i: (0, 0))],
+        in_specs=[any_spec, any_spec, any_spec],
         out_specs=(any_spec, any_spec, any_spec),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
-        name="hc_coefficients")(mp, sb)
+        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1), interpret=interpret,
+        name="hc_coefficients")(m.astype(F32), scale.astype(F32), base.astype(F32))
     return pre, post, comb.reshape(N, hc, hc)
 
 
