@@ -40,13 +40,16 @@ def write_result(path, result: dict, command: str, source: dict | None = None):
     return rec
 
 
-# `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): the auto of
-# before the Sinkhorn kernel ran inside XLA's mHC boundary (its while loop kept on XLA), for side-by-side runs.
-KERNEL_VARIANTS = {"auto-xla-sinkhorn": ("gate", "hc_boundary", "ring_write", "hc_coefficients")}
+# `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): name -> the ops kept
+# on XLA beside `--kernels auto`'s (dsv41_jax.ops.AUTO_XLA_OPS). "auto-xla-sinkhorn" is the auto of before the
+# Sinkhorn kernel ran inside XLA's mHC boundary (its while loop on XLA), for side-by-side runs.
+KERNEL_VARIANTS = {"auto-xla-sinkhorn": ("hc_coefficients",)}
 
 
 def kernel_args(spec: str) -> dict:
     """EngineArgs keywords for a benchmark's `--kernels` entry (an engine choice or a KERNEL_VARIANTS name)."""
     if spec in KERNEL_VARIANTS:
-        return {"kernels": "pallas", "xla_ops": KERNEL_VARIANTS[spec]}
+        from dsv41_jax.ops import AUTO_XLA_OPS
+
+        return {"kernels": "pallas", "xla_ops": AUTO_XLA_OPS + KERNEL_VARIANTS[spec]}
     return {"kernels": spec}

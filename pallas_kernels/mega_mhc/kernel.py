@@ -168,8 +168,8 @@ def _mixes(st: _Static, rb, layer, acc, scale_ref, base_ref, mix_out):
     bv = plt.load(base_ref.at[layer, pl.ds(z, WIDTH)], mask=_cols(WIDTH)[0] < mw, other=0.0)
     i4, iw = jax.lax.broadcasted_iota(jnp.int32, (4,), 0), jax.lax.broadcasted_iota(jnp.int32, (WIDTH,), 0)
     s = [jnp.sum(jnp.where(i4 == k, sv, 0.0)) for k in range(3)]
-    pre, post, comb = coefficients(m, s, lambda k: jnp.sum(jnp.where(iw == k, bv, 0.0)), hc=hc, iters=st.iters,
-                                   eps=st.eps)
+    pre, post, comb = coefficients(lambda k: _col(m, k), s, lambda k: jnp.sum(jnp.where(iw == k, bv, 0.0)), hc=hc,
+                                   iters=st.iters, eps=st.eps)
     plt.store(mix_out.at[pl.ds(r0, st.bn), pl.ds(z, WIDTH)], _place(pre + post + comb, WIDTH),
               mask=ok & (_cols(WIDTH) < mw))
 

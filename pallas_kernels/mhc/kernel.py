@@ -50,11 +50,10 @@ def _place(vals, width):
     return out
 
 
-def coefficients(m, s, base, *, hc, iters, eps):
-    """The Sinkhorn part inside a kernel body: m = the mixing logits, a [bn, WIDTH] f32 block or col(k) -> column k
-    as a [bn] vector; s = the 3 scales (f32 scalars), base(k) = base[k] (an f32 scalar). Returns (pre, post, comb)
-    as lists of [bn] columns (comb flat, row-major). Shared with pallas_kernels/mega_mhc."""
-    col = m if callable(m) else (lambda k: _col(m, k))
+def coefficients(col, s, base, *, hc, iters, eps):
+    """The Sinkhorn part inside a kernel body: col(k) = column k of the mixing logits as a [bn] f32 vector; s = the
+    3 scales (f32 scalars), base(k) = base[k] (an f32 scalar). Returns (pre, post, comb) as lists of [bn] columns
+    (comb flat, row-major). Shared with pallas_kernels/mega_mhc."""
     pre = [_sigmoid(col(k) * s[0] + base(k)) + eps for k in range(hc)]
     post = [2.0 * _sigmoid(col(hc + k) * s[1] + base(hc + k)) for k in range(hc)]
     c = [[col(2 * hc + i * hc + j) * s[2] + base(2 * hc + i * hc + j) for j in range(hc)] for i in range(hc)]
@@ -100,14 +99,13 @@ def _kernel(m_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc, iter
     r0 = pl.program_id(0) * bn
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     ok = rows < n_rows
-    # each logit column loaded as its own [bn] vector and each scale / base entry as a scalar: no reductions to
-    # pick them out of a block (they were most of a small call's time)
-    def col(k):
+
+    def col(k):  # each logit column loaded as its own vector, each scale / base entry as a scalar: no reductions
+        # to pick them out of a block (they were most of a small call's time)
         return plt.load(m_ref.at[pl.ds(r0, bn), pl.ds(k, 1)], mask=ok[:, None], other=0.0).reshape(bn)
 
-    pre, post, comb = coefficients(col,
-                                   [scale_ref[k] for k in range(3)], lambda k: base_ref[k], hc=hc, iters=iters,
-                                   eps=eps)
+    pre, post, comb = coefficients(col, [scale_ref[k] for k in range(3)], lambda k: base_ref[k], hc=hc,
+                                   iters=iters, eps=eps)
     plt.store(pre_ref.at[pl.ds(r0, bn), :], _place(pre, pre_ref.shape[1]), mask=ok[:, None])
     plt.store(post_ref.at[pl.ds(r0, bn), :], _place(post, post_ref.shape[1]), mask=ok[:, None])
     plt.store(comb_ref.at[pl.ds(r0, bn), :], _place(comb, comb_ref.shape[1]), mask=ok[:, None])
