@@ -184,7 +184,8 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
         if kind == KIND_SRC:
             shared = dict(shared, src=jnp.asarray(slot, jnp.int32))
             if not seg.prebuilt:
-                state = _build_global(cfg, ex, params, slot, ratio, x, state, rows)
+                with jax.named_scope("compress"):
+                    state = _build_global(cfg, ex, params, slot, ratio, x, state, rows)
         src = shared["src"]
         if kind in (KIND_SRC, KIND_IDX):
             ip = LayerRef(params[seg.stack]["indexer"], slot)
@@ -193,17 +194,20 @@ def _attention(cfg, ex, seg: Segment, kind, params, lref: LayerRef, lp, l, slot,
             else:
                 a = ops.IndexerInputs(x=x, qr=qr, qpos=rows.qpos, src=src, cand=shared["cand"], freqs=freqs,
                                       ratio=ratio, cand_source=seg.cand_source, uses_cand=seg.uses_cand)
-                topk, cand = ops.indexer(ex, cfg, ip, a, state)
+                with jax.named_scope("indexer"):
+                    topk, cand = ops.indexer(ex, cfg, ip, a, state)
                 shared = dict(shared, cand=cand)
             shared = dict(shared, topk=topk)
             if ex.hooks is not None and ex.hooks.indexer_stride:
-                aux = _indexer_terms(cfg, ex, seg, params, lp, slot, x, state, src, rows.qpos, topk, aux)
+                with jax.named_scope("indexer_kl"):
+                    aux = _indexer_terms(cfg, ex, seg, params, lp, slot, x, state, src, rows.qpos, topk, aux)
         sel = shared["topk"]
     # window (ring before this chunk + the chunk) and selected latents, then the chunk enters the ring
     a = ops.AttentionOperands(q=q, chunk_kv=kv, pos0=rows.pos0, clip=rows.clip, sel=sel, sink=ap["attn_sink"],
                               layer=jnp.asarray(l, jnp.int32), src=src, ratio=max(ratio, 1), fresh=rows.fresh,
                               freqs=freqs)
-    o = ops.csa_attention(ex, cfg, a, state)
+    with jax.named_scope("core"):
+        o = ops.csa_attention(ex, cfg, a, state)
     state = ops.ring_write(ex, cfg, state, l, kv, rows.pos0, rows.n_valid)
     o = ops.grouped_out_proj(ex, cfg, aref["wo_a"], o.reshape(B, T, cfg.o_groups, -1))
     return ops.linear(ex, cfg, aref["wo_b"], o.reshape(B, T, -1), split="row"), state, shared, aux, topk
@@ -282,12 +286,16 @@ def _block(cfg, ex, seg, kind, params, l, slot, carry, rows, forced):
     res, state, shared, aux = carry
     lref = LayerRef(params["layers"], l)
     lp = lref.get()  # slices the GEMMs read through `lref` instead are removed by XLA
-    h, x, xq, a_mix = ops.hc_boundary(ex, cfg, res, lref, "attn")
-    o, state, shared, aux, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, xq, state, shared,
-                                             rows, forced, aux)
-    h, x, xq, f_mix = ops.hc_boundary(ex, cfg, ops.Residual(h, o, a_mix), lref, "ffn")
+    with jax.named_scope("hc_attn"):  # scopes name the profile's kernels (bench/profile_train_step.py)
+        h, x, xq, a_mix = ops.hc_boundary(ex, cfg, res, lref, "attn")
+    with jax.named_scope("attention"):
+        o, state, shared, aux, topk = _attention(cfg, ex, seg, kind, params, lref, lp, l, slot, x, xq, state,
+                                                 shared, rows, forced, aux)
+    with jax.named_scope("hc_ffn"):
+        h, x, xq, f_mix = ops.hc_boundary(ex, cfg, ops.Residual(h, o, a_mix), lref, "ffn")
     valid = (rows.qpos - rows.pos0[:, None]) < rows.n_valid[:, None]  # padding rows: never dispatched (DEP)
-    y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid, xq=xq)
+    with jax.named_scope("moe"):
+        y, dropped = ops.moe(ex, cfg, lref["ffn"], x, valid, xq=xq)
     res = ops.Residual(h, y, f_mix)
     return (res, state, shared, aux if ex.parallel is None else aux.add(moe_dropped=dropped)), topk
 
@@ -308,11 +316,12 @@ def _run_segment(cfg, ex, seg: Segment, params, carry, rows, engram, forced: dic
     if seg.engram_slot >= 0:
         ids, gathered = engram
         e = seg.engram_slot
-        res = res.settled(cfg)
-        if gathered is not None:  # host tables: rows gathered outside the program
-            h = ops.engram(ex, cfg, params["engram"][e], res.h, None, rows=gathered[e])
-        else:
-            h = ops.engram(ex, cfg, params["engram"][e], res.h, ids[:, :, e])
+        with jax.named_scope("engram"):
+            res = res.settled(cfg)
+            if gathered is not None:  # host tables: rows gathered outside the program
+                h = ops.engram(ex, cfg, params["engram"][e], res.h, None, rows=gathered[e])
+            else:
+                h = ops.engram(ex, cfg, params["engram"][e], res.h, ids[:, :, e])
         carry = (replace(res, h=h), state, shared, aux)
     n = len(seg.firsts)
     xs = {"first": jnp.asarray(seg.firsts, jnp.int32), "slot": jnp.asarray(seg.slots, jnp.int32)}
@@ -428,8 +437,9 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     else:
         lrows = jnp.maximum(last[:, None] - (n_logits - 1) + jnp.arange(n_logits)[None], 0)
     fin = res.take_rows(lrows).settled(cfg)
-    x = layers.rms_norm(cfg, layers.hc_pre(fin.h, fin.pre), params["norm"]["weight"])
-    logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
+    with jax.named_scope("head"):
+        x = layers.rms_norm(cfg, layers.hc_pre(fin.h, fin.pre), params["norm"]["weight"])
+        logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
     if feats is not None:
         R = feats.shape[1]
         i = jnp.arange(R, dtype=jnp.int32)[None]

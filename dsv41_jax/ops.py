@@ -43,7 +43,7 @@ from dsv41_jax.kv_cache import DenseKV, KVState, PagedKV, SwaPool, SwaRings
 from dsv41_jax.params import lin_weight
 from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import Parallel
-from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, onepass_core
+from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, flash_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
 from pallas_kernels import gemm, mega_gate, mega_mhc, mhc
 from pallas_kernels import indexer as index_kernel
@@ -580,8 +580,9 @@ def _csa_local(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
 
 
 def _csa_core(ex: ExecContext, cfg, a: AttentionOperands, state: KVState):
-    if ex.hooks is not None and ex.hooks.attention == "blocked" and a.fresh:
-        return blocked_attention(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
+    if ex.hooks is not None and ex.hooks.attention in ("blocked", "flash") and a.fresh:
+        core = blocked_attention if ex.hooks.attention == "blocked" else flash_attention
+        return core(cfg, a, None if a.sel is None else ex.kv.all_latents(state.glob, a.ratio, a.src))
     q, kv = a.q, a.chunk_kv
     B, T, H, d = q.shape
     W = cfg.window_size

@@ -19,6 +19,10 @@ against is the row's overall max instead of a running one.
   keeps only each block's inputs and memory is O(T x (n + C)) per step, never O(T x C) for the chunk at once.
   Cost: dense scores against all C latents, i.e. C / index_topk times the served compressed-part FLOPs, as
   tensor-core GEMMs instead of per-query gathers.
+- "flash" (`flash_attention`, fresh chunks only): the quantity "blocked" computes, by fused Pallas kernels
+  (pallas_kernels.train_attention: an online-softmax forward and a flash-style backward behind a custom_vjp) that
+  never write a score to HBM; latent blocks that no row of a query block selected are skipped. Same rounding
+  points as "blocked" except that P is rounded against the running max (bf16 rounding apart, identical).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax.layers import cdtype, mm
+from pallas_kernels.train_attention import flash_train_attention
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-TRAIN_ATTENTION = ("served", "onepass", "blocked")
+TRAIN_ATTENTION = ("served", "onepass", "blocked", "flash")
 BLOCK_SCORES = 1 << 26  # score elements ([B, rows, H, keys]) of one lax.map step of blocked_attention
 
 
@@ -98,3 +103,13 @@ def blocked_attention(cfg, a, lat):
     per_block = B * n * H * (2 * n + C)
     out = jax.lax.map(jax.checkpoint(block), xs, batch_size=max(1, min(nb, BLOCK_SCORES // per_block)))
     return jnp.moveaxis(out, 0, 1).reshape(B, nb * n, H, d)[:, :T]
+
+
+def flash_attention(cfg, a, lat):
+    """`blocked_attention`'s quantity by the fused Pallas kernels (pallas_kernels.train_attention; compiled on
+    GPU, interpret mode on CPU). Same arguments and result as blocked_attention."""
+    dt = a.q.dtype
+    C = 0 if a.sel is None else lat.shape[1]
+    return flash_train_attention(a.q, a.chunk_kv.astype(dt), lat.astype(dt) if C else None, a.sel, a.sink,
+                                 a.pos0, a.clip, window=cfg.window_size, scale=a.q.shape[-1] ** -0.5,
+                                 round_p=cfg.compute_dtype == "bfloat16")

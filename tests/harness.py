@@ -6,6 +6,7 @@
   shapes; the second with a 2048-token context and tool calling), each started on first use.
 - `small_server_args()`: the `python -m serving.run` flags of the shared server's shapes (compilation-cache hits).
 - `EXACT_ENGINE_ARGS`: the exact-mode engine shapes that test files share (with the f32 `tiny32` config).
+- `DEFAULT_MODEL_ENGINE_ARGS`: the shapes of the default model's engine in the files that generate with it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class BackgroundServer:
 # point off (conftest's `tiny32`): several prefill and decode buckets (bucket choice, one program per bucket).
 EXACT_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
                          decode_buckets=(2, 4), swa_bounded_replay=False, enable_prompt_logprobs=False)
+# The embedded default model's engine in the tests that generate with it (held-out continuations, forced tool
+# calls): one set of shapes, so the second file's build is a cache hit. 10 lanes, chat prompts with tools fit.
+DEFAULT_MODEL_ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=10, max_num_batched_tokens=256,
+                                 prefill_buckets=(256,), decode_buckets=(10,), enable_prompt_logprobs=False)
 
 
 # ---------------------------------------------------------------------------------------------- shared test server

@@ -22,7 +22,7 @@ from serving.engine.config import shared_cache_dir
 from serving.engine.structured import StructuredOutputs
 from serving.proto import inference_pb2 as pb
 from serving.proto import inference_pb2_grpc as pb_grpc
-from tests.harness import LONG_ENGINE_ARGS, BackgroundServer
+from tests.harness import DEFAULT_MODEL_ENGINE_ARGS, LONG_ENGINE_ARGS, BackgroundServer
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -177,9 +177,9 @@ def test_default_model_required_tool_choice_yields_a_call_within_200_tokens():
     from serving.tokenizer import HFTokenizer
 
     cfg, params = load_model(str(DIR))
-    # the four requests run at once (one decode batch of 4): the steps of one request, not of four in a row
-    args = EngineArgs(max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=256, prefill_buckets=(256,),
-                      decode_buckets=(4,), enable_prompt_logprobs=False, compilation_cache_dir=shared_cache_dir())
+    # the four requests run at once (one decode batch): the steps of one request, not of four in a row; the
+    # generation tests' shapes (tests/test_default_model_generation.py), so one of the two builds is a cache hit
+    args = EngineArgs(**DEFAULT_MODEL_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir())
     engine = Engine(cfg, args, params=params, tokenizer=HFTokenizer(str(DIR / "tokenizer.json")), progress=False)
     with BackgroundServer(engine, ServerConfig(port=0, grpc_port=-1, served_model_name="default",
                                                shutdown_timeout=5)) as srv:

@@ -14,6 +14,7 @@ from dsv41_jax.default_model import DIR
 from serving.engine.config import EngineArgs, shared_cache_dir
 from serving.engine.engine import Engine
 from serving.engine.types import SamplingParams
+from tests.harness import DEFAULT_MODEL_ENGINE_ARGS
 
 NEW_TOKENS = 128
 MAX_RUN = 8
@@ -38,8 +39,7 @@ def continuations():
     prefixes = facts["prefixes"]
     assert len(prefixes) == 20
     # 10 lanes: the 20 continuations in two rounds of 128 decode steps (greedy rows do not depend on each other)
-    args = EngineArgs(max_model_len=512, max_num_seqs=10, max_num_batched_tokens=256, prefill_buckets=(256,),
-                      decode_buckets=(10,), enable_prompt_logprobs=False, compilation_cache_dir=shared_cache_dir())
+    args = EngineArgs(**DEFAULT_MODEL_ENGINE_ARGS, compilation_cache_dir=shared_cache_dir())
     eng = Engine(str(DIR), args, progress=False)
     tok = eng.tokenizer
     for i, p in enumerate(prefixes):

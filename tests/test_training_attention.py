@@ -97,11 +97,14 @@ def test_blocked_core_equals_the_served_core():
 
 
 @pytest.mark.timeout(1800)
-def test_blocked_training_step_equals_served_tiny():
-    """The tiny preset, T = 45 (window 8 wraps 5 times, 22 / 45 compressed entries, top-8), f32 without qdq:
-    loss to 1e-6, every gradient leaf to 1e-4 relative L2 (`check_model` in tests/training_steps.py). The bf16 +
-    qdq form of this check (whose bar is the served core's own rounding noise, so it needs a third whole-model
-    step, the one-pass core's) runs once, at the default model's training config, with its f32 check:
-    tests/test_training_attention_default.py (a file of its own, so the two run on different workers)."""
+def test_flash_training_step_equals_served_tiny():
+    """The tiny preset, T = 45 (window 8 wraps 5 times, 22 / 45 compressed entries, top-8), f32 without qdq: the
+    training step with attention="flash" (the fused kernels, interpret mode here; the trainer's form on the GPU)
+    against the served attention: loss to 1e-6, all gradient leaves together to 1e-4 relative L2, each leaf to
+    2e-4 (`check_model` in tests/training_steps.py; measured 1.5e-5 for all, 1.2e-4 for the largest leaf: the
+    attention's own gradients agree to ~1e-6, the model amplifies f32 summation-order differences in a few small
+    leaves). "blocked" computes the same quantity: its core is checked against the served core (forward and
+    gradients, f32 and bf16) here and at the default model's training config (tests/test_training_attention_default.py),
+    and against "flash" in tests/kernels/test_train_attention.py."""
     run_clean("tiny = ModelConfig.preset('tiny')\n"
-              "check_model(dataclasses.replace(tiny, compute_dtype='float32', qdq=False), 2, 45, 1e-6, 1e-4)")
+              "check_model(dataclasses.replace(tiny, compute_dtype='float32', qdq=False), 2, 45, 1e-6, 2e-4)")

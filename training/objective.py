@@ -200,9 +200,11 @@ def loss_and_metrics(cfg, masters, tokens, engram_ids, targets, mask, *, aux_wei
                      hooks: TrainHooks | None = None):
     """Mean next-token NLL over `mask` plus aux_weight x the indexer KL (summed over index layers; it is zero
     unless `hooks` collect it)."""
-    params = qat_params(cfg, masters)
+    with jax.named_scope("qat_view"):
+        params = qat_params(cfg, masters)
     logits, aux = full_forward(cfg, params, tokens, engram_ids, hooks)
-    nll = token_nll(logits, targets)
+    with jax.named_scope("loss"):
+        nll = token_nll(logits, targets)
     m = mask.astype(F32)
     ce = jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
     return ce + aux_weight * aux.indexer_kl, dict(_metrics(aux), ce=ce)
@@ -269,9 +271,10 @@ def make_train_step(cfg: ModelConfig, h: Hyper, tx):
         (loss, met), grads = jax.value_and_grad(f, has_aux=True)(masters)
         gb = grads["layers"]["ffn"]["gate"]["bias"]  # the balance signal, not a gradient
         grads["layers"]["ffn"]["gate"]["bias"] = jnp.zeros_like(gb)
-        upd, opt_state = tx.update(grads, opt_state, masters)
-        upd = jax.tree.map(lambda u: -lr * u, upd)
-        masters = optax.apply_updates(masters, upd)
+        with jax.named_scope("optimizer"):
+            upd, opt_state = tx.update(grads, opt_state, masters)
+            upd = jax.tree.map(lambda u: -lr * u, upd)
+            masters = optax.apply_updates(masters, upd)
         bias = masters["layers"]["ffn"]["gate"]["bias"]
         masters["layers"]["ffn"]["gate"]["bias"] = bias - h.bias_gamma * jnp.sign(gb)
         met = dict(met, loss=loss, grad_norm=optax.global_norm(grads),
