@@ -147,7 +147,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpret mode)")
     ap.add_argument("--sweep", default="", help="'BxTxC' cases (comma-separated) to time under every SWEEP launch "
                     "configuration of flash (after the main table)")
-    ap.add_argument("--out", default="bench/results/train_attention.json")
+    ap.add_argument("--out", default="bench/results/train_attention_h200.json")
     args = ap.parse_args(argv)
     cfg = dataclasses.replace(ModelConfig.preset("tiny"), window_size=W, compute_dtype="bfloat16")
     cases = SMOKE_CASES if args.smoke else CASES
