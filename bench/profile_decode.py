@@ -23,7 +23,8 @@ import numpy as np
 from bench.decode_itl import fill_pools, inject
 
 
-def device_events(trace_dir):
+def device_events(trace_dir, stats: bool = False):
+    """[(kernel name, duration ns)] of the trace's GPU events; with `stats`, each also carries its stats dict."""
     import jax
 
     path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
@@ -37,7 +38,8 @@ def device_events(trace_dir):
                 continue
             for e in line.events:
                 if e.duration_ns > 0:
-                    out.append((e.name, e.duration_ns))
+                    out.append((e.name, e.duration_ns, {str(k): str(v) for k, v in e.stats}) if stats
+                               else (e.name, e.duration_ns))
     return out
 
 

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from bench.common import write_result
+from bench.profile_decode import device_events
 
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{op_name="([^"]*)"')
 # the named scopes of dsv41_jax/model.py and training/objective.py, innermost last
@@ -57,26 +58,9 @@ def _scope(kernel: str, scopes: dict[str, str]) -> str:
 
 
 def device_kernels(trace_dir):
-    """[(kernel name, the HLO instruction it runs or "", duration ns)] of the trace's GPU events; library kernels
-    (cuBLAS, cuDNN) are named by their 'hlo_op' stat."""
-    import glob
-
-    import jax
-
-    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
-    out = []
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "stream" not in line.name.lower() and "kernel" not in line.name.lower():
-                continue
-            for e in line.events:
-                if e.duration_ns <= 0:
-                    continue
-                stats = {str(k): str(v) for k, v in e.stats}
-                out.append((e.name, stats.get("hlo_op", ""), e.duration_ns, stats))
-    return out
+    """[(kernel name, its 'hlo_op' stat or "", duration ns, stats)] of the trace's GPU events (library kernels,
+    cuBLAS and cuDNN, are named by the library; inside a command buffer 'hlo_op' names the buffer)."""
+    return [(name, st.get("hlo_op", ""), ns, st) for name, ns, st in device_events(trace_dir, stats=True)]
 
 
 def main(argv=None):

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import write_result
+from bench.kernels.timing import wall_us
 from dsv41_jax import ops
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.train_attention import blocked_attention, flash_attention
@@ -79,13 +78,7 @@ def rel_err(x, y) -> float:
 
 
 def median_ms(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return wall_us(fn, args, iters) / 1e3
 
 
 def run_case(cfg, B, T, C, iters: int, causal: bool) -> dict:

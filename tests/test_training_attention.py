@@ -66,34 +66,42 @@ def _core(cfg, a, state, attention):
     return ops.csa_attention(ex, cfg, a, state)
 
 
+def check_blocked_core(cfg, tol, *, B, T, C, seed, clip):
+    """ops.csa_attention with TrainHooks(attention="blocked") vs the served gathered core on one random case
+    (_core_case, top-k = cfg.index_topk): the output and the gradients w.r.t. q, chunk kv, latents and sink of a
+    random-weighted sum, each to tol relative to its largest element."""
+    import dataclasses
+
+    a, state = _core_case(cfg, B=B, T=T, C=C, k=cfg.index_topk, seed=seed, clip=clip)
+    want, got = _core(cfg, a, state, "served"), _core(cfg, a, state, "blocked")
+    assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0.1
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    w = jax.random.normal(jax.random.PRNGKey(seed + 7), want.shape, jnp.float32)
+    r = a.ratio
+
+    def loss(attention, q, kv, lat, sink):
+        b = dataclasses.replace(a, q=q, chunk_kv=kv, sink=sink)
+        s = dataclasses.replace(state, glob=dataclasses.replace(
+            state.glob, lat={**state.glob.lat, r: state.glob.lat[r].at[0].set(lat)}))
+        return jnp.sum(_core(cfg, b, s, attention).astype(jnp.float32) * w)
+
+    args = (a.q, a.chunk_kv, state.glob.lat[r][0], a.sink)
+    gw = jax.grad(lambda *x: loss("served", *x), argnums=(0, 1, 2, 3))(*args)
+    gg = jax.grad(lambda *x: loss("blocked", *x), argnums=(0, 1, 2, 3))(*args)
+    for x, y in zip(gg, gw):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert np.max(np.abs(y)) > 0
+        np.testing.assert_allclose(x, y, atol=tol * np.max(np.abs(y)), rtol=tol)
+
+
 def test_blocked_core_equals_the_served_core():
-    """ops.csa_attention with TrainHooks(attention="blocked") vs the served gathered core on random operands:
-    T = 45 over window 8 (wrap, a partial last block), top-8 of 40 latents, a replay clip on one sequence.
+    """T = 45 over window 8 (wrap, a partial last block), top-8 of 40 latents, a replay clip on one sequence.
     f32: outputs and gradients (q, chunk kv, latents, sink) to 1e-5; bf16: to bf16 rounding."""
     import dataclasses
 
     tiny = ModelConfig.preset("tiny")
     for cfg, tol in ((dataclasses.replace(tiny, compute_dtype="float32"), 1e-5), (tiny, 2e-2)):
-        a, state = _core_case(cfg, B=2, T=45, C=40, k=cfg.index_topk, seed=1, clip=[0, 13])
-        want, got = _core(cfg, a, state, "served"), _core(cfg, a, state, "blocked")
-        assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0.1
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-        w = jax.random.normal(jax.random.PRNGKey(9), want.shape, jnp.float32)
-
-        def loss(attention, q, kv, lat, sink):
-            b = dataclasses.replace(a, q=q, chunk_kv=kv, sink=sink)
-            r = a.ratio
-            s = dataclasses.replace(state, glob=dataclasses.replace(
-                state.glob, lat={**state.glob.lat, r: state.glob.lat[r].at[0].set(lat)}))
-            return jnp.sum(_core(cfg, b, s, attention).astype(jnp.float32) * w)
-
-        args = (a.q, a.chunk_kv, state.glob.lat[a.ratio][0], a.sink)
-        gw = jax.grad(lambda *x: loss("served", *x), argnums=(0, 1, 2, 3))(*args)
-        gg = jax.grad(lambda *x: loss("blocked", *x), argnums=(0, 1, 2, 3))(*args)
-        for x, y in zip(gg, gw):
-            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-            assert np.max(np.abs(y)) > 0
-            np.testing.assert_allclose(x, y, atol=tol * np.max(np.abs(y)), rtol=tol)
+        check_blocked_core(cfg, tol, B=2, T=45, C=40, seed=1, clip=[0, 13])
 
 
 @pytest.mark.timeout(1800)

@@ -8,11 +8,7 @@ nothing the core and the tiny step do not: the attention core is the only code t
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from tests.test_training_attention import _core, _core_case
+from tests.test_training_attention import check_blocked_core
 
 
 def test_blocked_core_equals_served_core_at_the_default_training_config():
@@ -23,23 +19,4 @@ def test_blocked_core_equals_served_core_at_the_default_training_config():
     base = model_config()
     assert (base.window_size, base.index_topk, base.n_heads, base.head_dim) == (128, 128, 4, 64)
     for cfg, tol in ((dataclasses.replace(base, compute_dtype="float32"), 1e-5), (base, 2e-2)):
-        a, state = _core_case(cfg, B=2, T=320, C=320, k=cfg.index_topk, seed=4, clip=[0, 37])
-        want, got = _core(cfg, a, state, "served"), _core(cfg, a, state, "blocked")
-        assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0.1
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-        w = jax.random.normal(jax.random.PRNGKey(11), want.shape, jnp.float32)
-        r = a.ratio
-
-        def loss(attention, q, kv, lat, sink):
-            b = dataclasses.replace(a, q=q, chunk_kv=kv, sink=sink)
-            s = dataclasses.replace(state, glob=dataclasses.replace(
-                state.glob, lat={**state.glob.lat, r: state.glob.lat[r].at[0].set(lat)}))
-            return jnp.sum(_core(cfg, b, s, attention).astype(jnp.float32) * w)
-
-        args = (a.q, a.chunk_kv, state.glob.lat[r][0], a.sink)
-        gw = jax.grad(lambda *x: loss("served", *x), argnums=(0, 1, 2, 3))(*args)
-        gg = jax.grad(lambda *x: loss("blocked", *x), argnums=(0, 1, 2, 3))(*args)
-        for x, y in zip(gg, gw):
-            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-            assert np.max(np.abs(y)) > 0
-            np.testing.assert_allclose(x, y, atol=tol * np.max(np.abs(y)), rtol=tol)
+        check_blocked_core(cfg, tol, B=2, T=320, C=320, seed=4, clip=[0, 37])
