@@ -10,8 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 * 2 ** 30))
 # CPU tests: LLVM at -O0 compiles the many small programs ~40% faster (results are still bit-for-bit
 # comparable between paths, which all run under the same flags). $DSV41_TEST_XLA_LEVEL overrides it for
-# experiments: level 1 runs a default-model decode step ~3-5x faster but compiled the engine fixtures 1.3-3x
-# slower and moved an engine-vs-model logprob check past its tolerance (docs/BENCHMARKS.md "CI time").
+# experiments: level 1 compiled the engine fixtures 1.3-3x slower and moved an engine-vs-model logprob check
+# past its tolerance (docs/BENCHMARKS.md "CI time").
 XLA_LEVEL = os.environ.get("DSV41_TEST_XLA_LEVEL", "0")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_backend_optimization_level={XLA_LEVEL}").strip()
 

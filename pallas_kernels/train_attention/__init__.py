@@ -2,6 +2,6 @@
 Pallas Triton forward and backward kernels behind a custom_vjp (its jnp reference is
 dsv41_jax.train_attention.blocked_attention); see kernel.py."""
 
-from pallas_kernels.train_attention.kernel import flash_train_attention, selection_bitmask
+from pallas_kernels.train_attention.kernel import flash_train_attention
 
-__all__ = ["flash_train_attention", "selection_bitmask"]
+__all__ = ["flash_train_attention"]

@@ -147,16 +147,34 @@ def _band_range(st, q0, nq):
     return jnp.maximum(q0 - st.W + 1, 0) // BK, (q0 + nq - 1) // BK + 1
 
 
+def _walk_keys(st, b, i, kv_ref, lat_refs, pos0, clip, update, carry):
+    """Fold `update(carry, k [BK, d], ok [rows, BK])` over the key blocks visible to query block i of sequence b:
+    the band blocks of its window, then (with latents) the latent blocks its rows selected (compacted list)."""
+    t_col = i * st.BQ + (_iota(st.rows, 0, (st.rows, BK)) >> st.shift)  # [rows, BK] position of each row vector
+
+    def band(kb, carry):
+        k = kv_ref[b, pl.ds(kb * BK, BK), :]
+        return update(carry, k, _band_ok(st, t_col, kb * BK + _iota(BK, 1, (st.rows, BK)), pos0, clip))
+
+    lo, hi = _band_range(st, i * st.BQ, st.BQ)
+    carry = jax.lax.fori_loop(lo, hi, band, carry)
+    if not st.C:
+        return carry
+    lat_ref, words_ref, lst_ref, cnt_ref = lat_refs
+
+    def latents(n, carry):
+        cb = lst_ref[b, i, n]
+        k = lat_ref[b, pl.ds(cb * BK, BK), :]
+        return update(carry, k, _lat_ok_rows(st, words_ref, b, i * st.BQ, cb * BK))
+
+    return jax.lax.fori_loop(0, cnt_ref[b, i], latents, carry)
+
+
 # ----------------------------------------------------------------------------- forward
 def _fwd_kernel(pos0_ref, clip_ref, q_ref, sink_ref, kv_ref, *rest, st: _Static):
-    if st.C:
-        lat_ref, words_ref, lst_ref, cnt_ref, o_ref, lse_ref = rest
-    else:
-        o_ref, lse_ref = rest
+    lat_refs, (o_ref, lse_ref) = rest[:-2], rest[-2:]
     b, i = pl.program_id(0), pl.program_id(1)
-    pos0, clip = pos0_ref[b], clip_ref[b]
     q = q_ref[...]  # [rows, d]
-    t_col = i * st.BQ + (_iota(st.rows, 0, (st.rows, BK)) >> st.shift)  # [rows, BK] position of each row vector
     sink = sink_ref[...]  # [rows] f32 (per row vector)
 
     def update(carry, k, ok):
@@ -168,38 +186,19 @@ def _fwd_kernel(pos0_ref, clip_ref, q_ref, sink_ref, kv_ref, *rest, st: _Static)
         pv = p.astype(k.dtype) if st.round_p else p
         return m_new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + _dot(st, pv.astype(k.dtype), k)
 
-    def band(kb, carry):
-        k = kv_ref[b, pl.ds(kb * BK, BK), :]
-        j = kb * BK + _iota(BK, 1, (st.rows, BK))
-        return update(carry, k, _band_ok(st, t_col, j, pos0, clip))
-
     # the running max starts at the sink, whose exp(0) = 1 opens the denominator
     carry = (sink, jnp.ones((st.rows,), F32), jnp.zeros((st.rows, st.d), F32))
-    lo, hi = _band_range(st, i * st.BQ, st.BQ)
-    carry = jax.lax.fori_loop(lo, hi, band, carry)
-    if st.C:
-        def latents(n, carry):
-            cb = lst_ref[b, i, n]
-            k = lat_ref[b, pl.ds(cb * BK, BK), :]
-            return update(carry, k, _lat_ok_rows(st, words_ref, b, i * st.BQ, cb * BK))
-
-        carry = jax.lax.fori_loop(0, cnt_ref[b, i], latents, carry)
-    m, l, acc = carry
+    m, l, acc = _walk_keys(st, b, i, kv_ref, lat_refs, pos0_ref[b], clip_ref[b], update, carry)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
 # ----------------------------------------------------------------------------- backward: dq
 def _dq_kernel(pos0_ref, clip_ref, q_ref, do_ref, lse_ref, delta_ref, kv_ref, *rest, st: _Static):
-    if st.C:
-        lat_ref, words_ref, lst_ref, cnt_ref, dq_ref = rest
-    else:
-        (dq_ref,) = rest
+    lat_refs, dq_ref = rest[:-1], rest[-1]
     b, i = pl.program_id(0), pl.program_id(1)
-    pos0, clip = pos0_ref[b], clip_ref[b]
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    t_col = i * st.BQ + (_iota(st.rows, 0, (st.rows, BK)) >> st.shift)
 
     def update(dq, k, ok):
         s = _dot(st, q, k, trans_b=True) * st.scale
@@ -207,19 +206,7 @@ def _dq_kernel(pos0_ref, clip_ref, q_ref, do_ref, lse_ref, delta_ref, kv_ref, *r
         ds = p * (_dot(st, do, k, trans_b=True) - delta[:, None])
         return dq + _dot(st, ds.astype(k.dtype), k)
 
-    def band(kb, dq):
-        k = kv_ref[b, pl.ds(kb * BK, BK), :]
-        return update(dq, k, _band_ok(st, t_col, kb * BK + _iota(BK, 1, (st.rows, BK)), pos0, clip))
-
-    lo, hi = _band_range(st, i * st.BQ, st.BQ)
-    dq = jax.lax.fori_loop(lo, hi, band, jnp.zeros((st.rows, st.d), F32))
-    if st.C:
-        def latents(n, dq):
-            cb = lst_ref[b, i, n]
-            k = lat_ref[b, pl.ds(cb * BK, BK), :]
-            return update(dq, k, _lat_ok_rows(st, words_ref, b, i * st.BQ, cb * BK))
-
-        dq = jax.lax.fori_loop(0, cnt_ref[b, i], latents, dq)
+    dq = _walk_keys(st, b, i, kv_ref, lat_refs, pos0_ref[b], clip_ref[b], update, jnp.zeros((st.rows, st.d), F32))
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
