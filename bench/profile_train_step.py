@@ -68,6 +68,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="2048x32", help="TxB: tokens per sequence x sequences")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--attention", default="blocked")
+    ap.add_argument("--head", default="f32", choices=("f32", "bf16"), help="the LM head GEMM's operands")
     ap.add_argument("--aux-stride", type=int, default=16)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default="")
@@ -85,7 +86,7 @@ def main(argv=None):
     t, b = (int(x) for x in a.shape.split("x"))
     cfg = model_config()
     hasher, mesh = EngramHasher(cfg), D.data_mesh()
-    h = T.Hyper(aux_stride=a.aux_stride, attention=a.attention)
+    h = T.Hyper(aux_stride=a.aux_stride, attention=a.attention, head_bf16=a.head == "bf16")
     run = Run(cfg, h, mesh, 0)
     rng = np.random.default_rng(0)
 

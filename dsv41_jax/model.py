@@ -439,7 +439,8 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     fin = res.take_rows(lrows).settled(cfg)
     with jax.named_scope("head"):
         x = layers.rms_norm(cfg, layers.hc_pre(fin.h, fin.pre), params["norm"]["weight"])
-        logits = layers.mm(x.astype(F32), params["head"]["weight"].astype(F32), "...i,vi->...v")
+        hd = jnp.bfloat16 if (ex.hooks is not None and ex.hooks.head_bf16) else F32
+        logits = layers.mm(x.astype(hd), params["head"]["weight"].astype(hd), "...i,vi->...v")
     if feats is not None:
         R = feats.shape[1]
         i = jnp.arange(R, dtype=jnp.int32)[None]

@@ -14,7 +14,8 @@
 #           from the masters carried back in .dm/ (masters.pkl.part-*) with a fresh optimizer state.
 # One call (no split): CALL=0 MINUTES=9 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh
 # ATTENTION (default flash: the fused Pallas kernels, 1.49x the step throughput of blocked at 2048 x 32;
-# dsv41_jax/train_attention.py, docs/BENCHMARKS.md "Training the default model") picks the training attention.
+# dsv41_jax/train_attention.py, docs/BENCHMARKS.md "Training the default model") picks the training attention;
+# HEAD (default bf16: the LM head GEMM in bf16 operands, f32 accumulation, in training only) its head.
 set -euo pipefail
 T0=$(date +%s)
 W=${W:-/tmp/dm}
@@ -23,7 +24,7 @@ MINUTES=${MINUTES:-14.5}
 OUT=${OUT:-$W/out}
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1
-COMMON=(--corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" --attention "${ATTENTION:-flash}")
+COMMON=(--corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" --attention "${ATTENTION:-flash}" --head "${HEAD:-bf16}")
 
 if [ "$CALL" = 1 ]; then
   python3 -m training.code_corpus --out "$W/corpus" ${CORPUS_ARGS:-} > "$W/corpus.log" 2>&1 &

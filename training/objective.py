@@ -170,7 +170,8 @@ def train_hooks(h: Hyper | None = None, *, balance: bool = True, indexer_stride:
     """The model's training hooks for a step: gate-bias balancing, the indexer KL on every stride-th row and
     the training form of the attention core (h.attention; dsv41_jax.train_attention)."""
     stride = (h.aux_stride if h is not None else 0) if indexer_stride is None else indexer_stride
-    return TrainHooks(balance=balance, indexer_stride=stride, attention=h.attention if h is not None else "served")
+    return TrainHooks(balance=balance, indexer_stride=stride, attention=h.attention if h is not None else "served",
+                      head_bf16=h.head_bf16 if h is not None else False)
 
 
 def full_forward(cfg: ModelConfig, params, tokens, engram_ids, hooks: TrainHooks | None = None):
@@ -224,6 +225,7 @@ class Hyper:
     aux_weight: float = 0.1  # indexer KL weight
     aux_stride: int = 8  # indexer KL on every stride-th query row
     attention: str = "served"  # the attention core's training form (ops.TrainHooks.attention)
+    head_bf16: bool = False  # the LM head's GEMM in bf16 operands, f32 accumulation (ops.TrainHooks.head_bf16)
 
     def lr(self, frac: float) -> float:
         """Linear warm-up then cosine decay to final_lr_frac x peak, as a function of the budget fraction."""

@@ -92,6 +92,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", default="blocked", choices=TRAIN_ATTENTION,
                     help="the attention core's training form (dsv41_jax.train_attention; eval/export: served)")
+    ap.add_argument("--head", default="f32", choices=("f32", "bf16"),
+                    help="the LM head GEMM's operands in training (ops.TrainHooks.head_bf16; eval/export: f32)")
     ap.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR), help="directory with tokenizer.json")
     ap.add_argument("--peak-lr", type=float, default=2e-3)
     ap.add_argument("--aux-stride", type=int, default=16, help="indexer KL on every N-th query row (0: off)")
@@ -265,7 +267,11 @@ def probe(a, cfg, h, mesh, hasher, train):
 
 
 def plot(curve, path: Path, title: str):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the `bench` extra (pyproject.toml); the GPU image has it
+        print("matplotlib is not installed: no loss-curve PNG", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -333,7 +339,8 @@ def main(argv=None):
     assert tok.get_vocab_size() == cfg.vocab_size, "tokenizer and model vocabulary differ"
     hasher = EngramHasher(cfg)
     mesh = D.data_mesh()
-    h = T.Hyper(peak_lr=a.peak_lr, aux_stride=a.aux_stride, attention=a.attention)
+    h = T.Hyper(peak_lr=a.peak_lr, aux_stride=a.aux_stride, attention=a.attention,
+                head_bf16=a.head == "bf16")
     phases = _phases(a.phases)
     run = evals = None
     if a.wait_corpus and not a.probe:
