@@ -2,12 +2,12 @@
 # The default model's training run on one H200 (README "Retraining"), split over two device calls of <= 10
 # minutes on the same warm machine (the run tool's limit per call). Extra arguments go to training.train_default.
 #
-#   call 1: CALL=1 PAUSE_S=540 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
+#   call 1: CALL=1 PAUSE_S=555 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
 #           builds the corpus (training.code_corpus) in the background while the step programs compile (into
 #           the persistent cache under $W), trains until PAUSE_S seconds after the script started, writes the
 #           resumable checkpoint ($W/run/ckpt.pkl) and a copy of the masters split into $OUT (<= 15 MB a file),
 #           in case the machine is not the same for call 2.
-#   call 2: CALL=2 LEFT_MIN=9.3 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
+#   call 2: CALL=2 LEFT_MIN=9.55 MINUTES=14.5 W=/tmp/dm bash training/h200_run.sh
 #           resumes the same schedule (MINUTES of training in all), cut to end LEFT_MIN minutes after it starts
 #           (export and evaluation included), and leaves $OUT/default_model.tar.part-* (the exported HF checkpoint,
 #           training.json, loss_curve.png; split in parts of <= 15 MB). When $W is gone (a fresh machine), it rebuilds the corpus and resumes
