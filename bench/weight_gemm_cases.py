@@ -194,8 +194,9 @@ class MoeWeights:
         return self._tiled[bk]
 
 
-def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool):
-    """(cases, reference fn, reference args) of one MoE GEMM at M rows."""
+def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool, extra=()):
+    """(cases, reference fn, reference args) of one MoE GEMM at M rows; `extra`: (name, MoeBlock) pairs beyond the
+    candidates (official layout; FP8-dot blocks get FP8 x)."""
     fused = matrix == "w13+swiglu"
     N, K = (INTER, D) if fused else (D, INTER)
     gss = [jnp.asarray(routing_sizes(M, r)) for r in range(ROUTINGS)]
@@ -229,10 +230,15 @@ def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool):
         t = replace(cur, layout="tiled")
         cases.append(Case("moe", matrix, M, "bf16x2-tiled", t, f(t), args(xb, xc, W.tiled(cur.bk)), nbytes, tol,
                           key=(kname, N, K, M)))
-    for name, b in moe_candidates(M, N, K, active, fused):
+    for name, b in moe_candidates(M, N, K, active, fused) if not extra else []:
         t = tol if fused else (TOL_FAST if b.fast_accum else TOL_EXACT)
         cases.append(Case("moe", matrix, M, name, b, f(b, fp8x=True), args(xq, xc, W.off), nbytes, t,
                           key=(kname, N, K, M)))
+    for name, b in extra:
+        fp8x = b.decode == "fp8"
+        t = tol if fused else (TOL_FAST if b.fast_accum else TOL_EXACT)
+        cases.append(Case("moe", matrix, M, name, b, f(b, fp8x=fp8x), args(xq if fp8x else xb, xc, W.off), nbytes,
+                          t, key=(kname, N, K, M)))
     return cases, f(None, "xla"), args(xb, xc, W.off)[0], dict(active_experts=active)
 
 
@@ -250,7 +256,9 @@ def dense_weights(N: int, K: int, fp8: bool):
     return jax.block_until_ready(q), jax.block_until_ready(s), L
 
 
-def dense_group(matrix: str, M: int, weights):
+def dense_group(matrix: str, M: int, weights, extra=()):
+    """(cases, reference fn, reference args) of one dense GEMM; `extra`: (name, GemmBlock) pairs instead of the
+    candidates."""
     N, K = HEAD if matrix == "head_bf16" else DENSE[matrix]
     q, s, L = weights
     fp8 = s is not None
@@ -270,7 +278,8 @@ def dense_group(matrix: str, M: int, weights):
     cur = pick_gemm_block(M, N, K, fp8=fp8)
     cases.append(Case("dense", matrix, M, "current", cur, f(cur), args(xb, xc), nbytes, TOL_EXACT))
     if fp8:
-        for name, b in dense_candidates(M, N, K):
-            cases.append(Case("dense", matrix, M, name, b, f(b, fp8x=True), args(xq, xc), nbytes,
+        for name, b in list(extra) or dense_candidates(M, N, K):
+            fp8x = b.decode == "fp8"
+            cases.append(Case("dense", matrix, M, name, b, f(b, fp8x=fp8x), args(xq if fp8x else xb, xc), nbytes,
                               TOL_FAST if b.fast_accum else TOL_EXACT, key=(N, K, M)))
     return cases, f(None, "xla"), args(xb, xc)[0], {}
