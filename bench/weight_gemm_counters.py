@@ -87,24 +87,25 @@ def sweep_cases():
 
     out = []
     W = wc.MoeWeights()
+    pf = dict(prefetch=True)
     moe = [("w13+swiglu", 6, tuned_moe_block(6, wc.INTER, wc.D, 6, True, True),
-            [dict(num_warps=8), dict(num_stages=2), dict(num_stages=4), dict(splits=1), dict(splits=5),
-             dict(num_warps=8, num_stages=4), dict(splits=5, num_stages=2)]),
+            [pf, dict(pf, num_warps=8), dict(pf, splits=5), dict(pf, num_stages=4), dict(num_warps=8),
+             dict(num_stages=4), dict(splits=5)]),
+           ("w13+swiglu", 48, tuned_moe_block(48, wc.INTER, wc.D, 44, True, True), [pf, dict(pf, num_warps=8)]),
+           ("w2", 6, wc.fp8_moe_block(1, wc.D, wc.INTER, 6), [pf, dict(pf, num_warps=8), dict(pf, splits=3)]),
+           ("w2", 48, wc.fp8_moe_block(2, wc.D, wc.INTER, 44), [pf, dict(pf, num_warps=8)]),
            ("w2", 6, pick_moe_block(6, wc.D, wc.INTER, fp4=True, active=6),
-            [dict(splits=3), dict(bk=128, splits=2), dict(bk=128, splits=3), dict(bk=128, splits=6),
-             dict(num_stages=4), dict(num_warps=8), dict(splits=3, num_stages=4)]),
-           ("w2", 48, pick_moe_block(48, wc.D, wc.INTER, fp4=True, active=48),
-            [dict(splits=3), dict(bk=128, splits=2), dict(num_stages=4), dict(num_warps=8)])]
+            [dict(splits=3), dict(bk=128, splits=3), dict(num_warps=8)])]
     for matrix, M, base, changes in moe:
         cs, ref_fn, ref_args, _ = wc.moe_group(W, matrix, M, with_xla=False, extra=_variants(base, changes))
-        out += [(f"moe {matrix} M={M} {c.variant}", c, ref_fn, ref_args) for c in cs if c.variant != "current"]
-    dense = [("wq_b", 1, [dict(splits=5), dict(bk=128, num_stages=4), dict(num_stages=4), dict(num_stages=5),
-                          dict(num_warps=8), dict(bk=128, splits=2, num_stages=4)]),
-             ("shared_w13", 1, [dict(num_stages=2), dict(num_warps=8), dict(splits=10), dict(splits=2),
-                                dict(num_stages=2, splits=10)])]
+        tag = "v1" if base.decode != "fp8" else "fp8"
+        out += [(f"moe {matrix} M={M} {tag} {c.variant}", c, ref_fn, ref_args) for c in cs if c.variant != "current"]
+    dense = [("wq_b", 1, [pf, dict(pf, splits=5), dict(pf, num_stages=4), dict(splits=5), dict(num_stages=4)]),
+             ("shared_w13", 1, [pf, dict(pf, num_stages=2), dict(pf, num_warps=8), dict(num_stages=2)]),
+             ("wo_b", 8, [pf, dict(pf, splits=8)])]
     for matrix, M, changes in dense:
         N, K = wc.DENSE[matrix]
-        base = tuned_gemm_block(M, N, K, True)
+        base = tuned_gemm_block(M, N, K, True) or wc.fp8_dense_block(M, N, K)
         cs, ref_fn, ref_args, _ = wc.dense_group(matrix, M, wc.dense_weights(N, K, True),
                                                  extra=_variants(base, changes))
         out += [(f"dense {matrix} M={M} {c.variant}", c, ref_fn, ref_args) for c in cs

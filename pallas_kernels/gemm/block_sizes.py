@@ -37,6 +37,7 @@ class GemmBlock:
     swap: bool = False
     nb: int = 0  # decode "fp8": k blocks of 32 per dot (bm * nb = the MMA's rows)
     fast_accum: bool = False  # decode "fp8": FP8 wgmma accumulation inside a dot (pallas_kernels/fp8dot.py)
+    prefetch: bool = False  # decode "fp8": a step's x tiles and scales loaded one step ahead (fp8_kernel.py)
 
 
 # (N, K, M) -> the fastest block measured for that FP8 weight shape at M rows (bench/weight_gemms.py).

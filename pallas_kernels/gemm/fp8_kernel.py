@@ -8,7 +8,8 @@ to f32 per-block sums (pallas_kernels/fp8dot.py: the x tile is expanded block-di
 GemmBlock fields: bm = R rows of x per program (the M tile), nb = k blocks per dot (R * nb = the MMA's rows),
 bk = k per loop step (bk / (32 nb) dots, each on its own [bn, 32 nb] weight load), bn, splits (K ranges whose f32
 partials the wrapper sums), swap (weight tile as the dot's first operand), fast_accum (FP8 wgmma with Hopper's
-FP8 accumulator inside each dot, pallas_kernels/fp8dot.py). Grid (M tiles, N tiles, splits).
+FP8 accumulator inside each dot, pallas_kernels/fp8dot.py), prefetch (the small loads of a step issued one step
+ahead: `small` in _kernel). Grid (M tiles, N tiles, splits).
 x rows past M are masked at the loads; the output is padded to whole M tiles (see kernel.py).
 """
 
@@ -38,20 +39,36 @@ def _kernel(layer_ref, x_ref, sx_ref, w_ref, s_ref, o_ref, *, blk: GemmBlock, ks
     rmask = (m0 + jax.lax.broadcasted_iota(jnp.int32, (R, 1), 0)) < m_rows
     kb_base = s * (ksteps * blk.bk // 32)
 
-    def body(t, acc):
+    def small(t):
+        """Step t's x tiles, x scales and weight scale codes, per dot (blk.prefetch: loaded one step ahead)."""
+        out = []
         for u in range(nsub):
             kb = kb_base + (t * nsub + u) * nb  # first k block of this dot
             k0 = pl.multiple_of(kb * 32, ksub)
-            xt = plt.load(x_ref.at[pl.ds(m0, R), pl.ds(k0, ksub)], mask=rmask, other=0)
-            sx = plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0.0)
+            out.append((plt.load(x_ref.at[pl.ds(m0, R), pl.ds(k0, ksub)], mask=rmask, other=0),
+                        plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
+                        s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb, nb)]))
+        return tuple(out)
+
+    def step(t, acc, loads):
+        for u in range(nsub):
+            k0 = pl.multiple_of((kb_base + (t * nsub + u) * nb) * 32, ksub)
+            xt, sx, sc = loads[u]
             wt = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, ksub)], eviction_policy="evict_first")
-            sw = fp8dot.expand_rows(fp8dot.pow2(s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb, nb)]), 32)
+            sw = fp8dot.expand_rows(fp8dot.pow2(sc), 32)
             p = fp8dot.dot(fp8dot.block_diag(xt, nb, 32), wt, blk.swap, fast)
             acc = acc + p * fp8dot.scale_grid(sx, sw, blk.swap)
         return acc
 
     shape = (bn, R * nb) if blk.swap else (R * nb, bn)
-    acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros(shape, F32))
+    if blk.prefetch:
+        def body(t, carry):
+            nxt = small(jnp.minimum(t + 1, ksteps - 1))
+            return step(t, carry[0], carry[1]), nxt
+
+        acc, _ = jax.lax.fori_loop(0, ksteps, body, (jnp.zeros(shape, F32), small(0)))
+    else:
+        acc = jax.lax.fori_loop(0, ksteps, lambda t, a: step(t, a, small(t)), jnp.zeros(shape, F32))
     y = fp8dot.fold(acc, R, nb, blk.swap)
     o_ref[...] = y.T if blk.swap else y
 

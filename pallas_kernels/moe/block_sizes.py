@@ -45,6 +45,7 @@ class MoeBlock:
     nb: int = 0  # decode "fp8": k blocks of 32 per dot (bm * nb = the MMA's rows)
     swap: bool = False  # decode "fp8": weight planes as the dots' first operand
     fast_accum: bool = False  # decode "fp8": FP8 wgmma accumulation inside a dot (pallas_kernels/fp8dot.py)
+    prefetch: bool = False  # decode "fp8": a step's x tiles and scales loaded one step ahead (fp8_kernel.py)
 
 
 # (kernel, N, K, M) -> the fastest block measured at M rows routed over 384 experts (bench/weight_gemms.py prints

@@ -38,25 +38,37 @@ F32 = jnp.float32
 
 def _sum_blocks(refs, ws, layer, e, r0, rmask, n0, k_lo, ksteps, blk: MoeBlock, interp: bool):
     """For each (w_ref, s_ref) of `ws`: the item's f32 [R, bn] (swap: [bn, R]) over k steps [k_lo, k_lo +
-    ksteps); the x tiles (refs: x_even, x_odd, sx) are loaded once per sub-tile for all weights."""
+    ksteps); the x tiles (refs: x_even, x_odd, sx) are loaded once per sub-tile for all weights.
+    blk.prefetch: the step's small loads (x tiles, x scales, weight scale codes), which Triton's pipeliner leaves
+    as plain global loads, are issued one step ahead and carried through the loop, so their latency overlaps the
+    current step's decode and dots instead of stalling it."""
     xe_ref, xo_ref, sx_ref = refs
     R, nb, bn = blk.bm, blk.nb, blk.bn
     cb = 16 * nb  # packed bytes per row of one sub-tile
     nsub = blk.bk // (32 * nb)
 
-    def body(t, accs):
+    def small(t):
+        """The small loads of step t: per sub-tile (x_lo, x_hi, sx, (weight scale codes per weight))."""
+        out = []
         for u in range(nsub):
             kb = (k_lo + t) * (blk.bk // 32) + u * nb  # first k block of the sub-tile
             c0 = pl.multiple_of(kb * 16, cb)
-            x_lo = plt.load(xe_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0)
-            x_hi = plt.load(xo_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0)
-            sx = plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0.0)
+            out.append((plt.load(xe_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
+                        plt.load(xo_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
+                        plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
+                        tuple(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kb, nb)] for _, s_ref in ws)))
+        return tuple(out)
+
+    def step(t, accs, loads):
+        for u in range(nsub):
+            c0 = pl.multiple_of(((k_lo + t) * (blk.bk // 32) + u * nb) * 16, cb)
+            x_lo, x_hi, sx, scodes = loads[u]
             a_lo, a_hi = fp8dot.block_diag(x_lo, nb, 16), fp8dot.block_diag(x_hi, nb, 16)
             new = []
-            for acc, (w_ref, s_ref) in zip(accs, ws):
+            for acc, (w_ref, _), sc in zip(accs, ws, scodes):
                 b = plt.load(w_ref.at[layer, e, pl.ds(n0, bn), pl.ds(c0, cb)], eviction_policy="evict_first")
                 lo, hi = (jax.lax.bitcast_convert_type(q, fp8dot.E4M3) for q in e2m1_e4m3_planes(b, interpret=interp))
-                sw = fp8dot.pow2(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kb, nb)], -E4M3_FROM_E2M1_LOG2)
+                sw = fp8dot.pow2(sc, -E4M3_FROM_E2M1_LOG2)
                 fast = blk.fast_accum and not interp
                 p = fp8dot.dot(a_lo, lo, blk.swap, fast) + fp8dot.dot(a_hi, hi, blk.swap, fast)
                 new.append(acc + p * fp8dot.scale_grid(sx, sw, blk.swap))
@@ -64,7 +76,15 @@ def _sum_blocks(refs, ws, layer, e, r0, rmask, n0, k_lo, ksteps, blk: MoeBlock, 
         return accs
 
     shape = (bn, R * nb) if blk.swap else (R * nb, bn)
-    accs = jax.lax.fori_loop(0, ksteps, body, tuple(jnp.zeros(shape, F32) for _ in ws))
+    zeros = tuple(jnp.zeros(shape, F32) for _ in ws)
+    if blk.prefetch:
+        def body(t, carry):
+            nxt = small(jnp.minimum(t + 1, ksteps - 1))
+            return step(t, carry[0], carry[1]), nxt
+
+        accs, _ = jax.lax.fori_loop(0, ksteps, body, (zeros, small(0)))
+    else:
+        accs = jax.lax.fori_loop(0, ksteps, lambda t, a: step(t, a, small(t)), zeros)
     return [fp8dot.fold(a, R, nb, blk.swap) for a in accs]
 
 

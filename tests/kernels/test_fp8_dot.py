@@ -70,6 +70,8 @@ def dense():
     (5, GemmBlock(8, 32, 64, 2, decode="fp8", nb=2)),
     (40, GemmBlock(64, 64, 128, 2, decode="fp8", nb=1, swap=True)),
     (40, GemmBlock(16, 128, 64, decode="fp8", nb=2)),  # 32-row MMA, three M tiles
+    (5, GemmBlock(8, 32, 64, 2, decode="fp8", nb=2, prefetch=True)),  # small loads one step ahead
+    (3, GemmBlock(8, 32, 128, decode="fp8", nb=2, swap=True, prefetch=True)),  # two dots a step, two steps
 ])
 def test_dense_fp8_dot(dense, m, blk):
     q, s = dense
@@ -106,7 +108,9 @@ def experts():
 
 @pytest.mark.parametrize("blk", [MoeBlock(2, 32, 256, decode="fp8", nb=8, swap=True, fast_accum=True),
                                  MoeBlock(8, 64, 64, splits=2, decode="fp8", nb=2),
-                                 MoeBlock(4, 32, 256, decode="fp8", nb=8)])  # 32-row MMA
+                                 MoeBlock(4, 32, 256, decode="fp8", nb=8),  # 32-row MMA
+                                 MoeBlock(8, 64, 64, splits=2, decode="fp8", nb=2, prefetch=True),
+                                 MoeBlock(8, 32, 128, decode="fp8", nb=2, swap=True, prefetch=True)])
 def test_grouped_fp8_dot(experts, blk):
     p, s, (xb, xq, xc) = experts
     gs = jnp.asarray(GROUPS, jnp.int32)
@@ -132,7 +136,8 @@ def test_grouped_fp8_inactive_experts_never_read(experts):
 
 
 @pytest.mark.parametrize("blk", [MoeBlock(2, 32, 256, decode="fp8", nb=8, swap=True),
-                                 MoeBlock(4, 64, 128, splits=2, decode="fp8", nb=4)])
+                                 MoeBlock(4, 64, 128, splits=2, decode="fp8", nb=4),
+                                 MoeBlock(8, 32, 128, decode="fp8", nb=2, swap=True, prefetch=True)])
 def test_grouped_swiglu_fp8_dot(experts, blk):
     """w1 / w3 / SwiGLU / routing weight fused: within one bf16 rounding of the model's sequence of ops."""
     p, s, (xb, xq, xc) = experts
