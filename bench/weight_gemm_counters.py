@@ -78,7 +78,7 @@ def _variants(base, changes):
     return out
 
 
-def sweep_cases():
+def sweep_cases(only: str = ""):
     """Variants of the model's block for the kernels whose counters say latency-bound: more programs (K splits),
     more warps, other pipeline depths. [(label, case, reference fn, reference args)]."""
     from bench import weight_gemm_cases as wc
@@ -97,6 +97,8 @@ def sweep_cases():
            ("w2", 6, pick_moe_block(6, wc.D, wc.INTER, fp4=True, active=6),
             [dict(splits=3), dict(bk=128, splits=3), dict(num_warps=8)])]
     for matrix, M, base, changes in moe:
+        if only and only not in f"moe {matrix} M={M}":
+            continue
         cs, ref_fn, ref_args, _ = wc.moe_group(W, matrix, M, with_xla=False, extra=_variants(base, changes))
         tag = "v1" if base.decode != "fp8" else "fp8"
         out += [(f"moe {matrix} M={M} {tag} {c.variant}", c, ref_fn, ref_args) for c in cs if c.variant != "current"]
@@ -104,6 +106,8 @@ def sweep_cases():
              ("shared_w13", 1, [pf, dict(pf, num_stages=2), dict(pf, num_warps=8), dict(num_stages=2)]),
              ("wo_b", 8, [pf, dict(pf, splits=8)])]
     for matrix, M, changes in dense:
+        if only and only not in f"dense {matrix} M={M}":
+            continue
         N, K = wc.DENSE[matrix]
         base = tuned_gemm_block(M, N, K, True) or wc.fp8_dense_block(M, N, K)
         cs, ref_fn, ref_args, _ = wc.dense_group(matrix, M, wc.dense_weights(N, K, True),
@@ -113,14 +117,14 @@ def sweep_cases():
     return out
 
 
-def run_child(launches: int, order_path: str, sweep: bool):
+def run_child(launches: int, order_path: str, sweep: bool, only: str = ""):
     import jax
     import numpy as np
 
     from bench.weight_gemms import rel_err
 
     order, refs = [], {}
-    todo = sweep_cases() if sweep else [(label, c, None, None) for label, c in cases()]
+    todo = sweep_cases(only) if sweep else [(label, c, None, None) for label, c in cases()]
     for label, c, ref_fn, ref_args in todo:
         f = jax.jit(c.fn)
         err = None
@@ -139,6 +143,41 @@ def run_child(launches: int, order_path: str, sweep: bool):
                               matrix=c.matrix, M=c.M, rel_err=err, ok=None if err is None else err <= c.tol))
     with open(order_path, "w") as fh:
         json.dump(order, fh)
+
+
+def wall_times(only: str, iters: int):
+    """No ncu: each sweep case whose label contains `only`, checked on its first call, then timed by wall clock
+    (median of `iters` synced calls over its argument sets; launch overhead included, for side-by-side ranking);
+    one line per case as it finishes."""
+    import statistics
+    import time
+
+    import jax
+    import numpy as np
+
+    from bench.weight_gemms import rel_err
+
+    refs = {}
+    for label, c, ref_fn, ref_args in sweep_cases(only):
+        f = jax.jit(c.fn)
+        try:
+            y = jax.block_until_ready(f(*c.arg_sets[0]))
+        except Exception as exc:  # noqa: BLE001
+            print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        key = (c.kind, c.matrix, c.M)
+        if key not in refs:
+            refs[key] = np.asarray(jax.jit(ref_fn)(*ref_args), np.float64)
+        err = rel_err(y, refs[key])
+        ts = []
+        for i in range(iters):
+            a = c.arg_sets[i % len(c.arg_sets)]
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            ts.append(time.perf_counter() - t0)
+        us = statistics.median(ts) * 1e6
+        print(f"WALL | {label} | {us:.1f} us | {c.nbytes / us / 1e3:.0f} GB/s | err {err:.1e} "
+              f"{'ok' if err <= c.tol else 'FAIL'} |", flush=True)
 
 
 def parse(csv_text: str) -> list[dict]:
@@ -194,9 +233,15 @@ def main(argv=None):
     ap.add_argument("--run", action="store_true", help="child mode: run the cases (what ncu profiles)")
     ap.add_argument("--order", default="", help="child mode: where to write the launch order")
     ap.add_argument("--sweep", action="store_true", help="variants of the model's blocks (fewer counters)")
+    ap.add_argument("--wall", default=None, help="no ncu: wall-clock the sweep cases whose label contains this")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", default="", help="--sweep: only the cases whose label contains this")
     a = ap.parse_args(argv)
     if a.run:
-        run_child(a.launches, a.order, a.sweep)
+        run_child(a.launches, a.order, a.sweep, a.only)
+        return 0
+    if a.wall is not None:
+        wall_times(a.wall, a.iters)
         return 0
     from bench.common import write_result
 
@@ -206,7 +251,7 @@ def main(argv=None):
     cmd = ["ncu", "--clock-control", "none", "--target-processes", "all", "-k", KERNELS, "--csv", "--page", "details",
            *[x for s in sections for x in ("--section", s)], "--metrics", ",".join(metrics),
            sys.executable, "-m", "bench.weight_gemm_counters", "--run", "--launches", str(a.launches),
-           "--order", order_path] + (["--sweep"] if a.sweep else [])
+           "--order", order_path] + (["--sweep", "--only", a.only] if a.sweep else [])
     # one allocation per buffer (not XLA's preallocated pool), so ncu's per-pass save / restore copies only buffers
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)

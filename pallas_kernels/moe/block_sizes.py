@@ -53,12 +53,13 @@ class MoeBlock:
 # N, K) with the smallest tuned M >= its M; an FP8-dot entry only when x comes as FP8 codes, its R resized to the
 # expected rows per active expert.
 # Measured on the H200 (bench/results/weight_gemms_fp8dot_h200.json): w1/w3 + SwiGLU up to 192 rows; w2 and
-# 1536 rows: the current kernel won (no entry).
+# 1536 rows: the current kernel won (no entry). prefetch at 6 rows: 41.5 -> 38.7 us under Nsight Compute on an H100
+# (bench/results/weight_gemm_counters_sweep_swiglu6_h100.json; not yet timed on the H200).
 TUNED: dict[tuple[str, int, int, int], MoeBlock] = {
     ("swiglu", 2304, 5120, 1): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=4, splits=5, layout="official",
                                         decode="fp8", nb=16, swap=True, fast_accum=True),
     ("swiglu", 2304, 5120, 6): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=3, splits=2, layout="official",
-                                        decode="fp8", nb=16, swap=True, fast_accum=True),
+                                        decode="fp8", nb=16, swap=True, fast_accum=True, prefetch=True),
     ("swiglu", 2304, 5120, 48): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
                                          decode="fp8", nb=8, swap=True, fast_accum=True),
     ("swiglu", 2304, 5120, 192): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
