@@ -12,7 +12,12 @@
 #           (export and evaluation included), and leaves $OUT/default_model.tar.part-* (the exported HF checkpoint,
 #           training.json, loss_curve.png; split in parts of <= 15 MB). When $W is gone (a fresh machine), it rebuilds the corpus and resumes
 #           from the masters carried back in .dm/ (masters.pkl.part-*) with a fresh optimizer state.
-# One call (no split): CALL=0 MINUTES=9 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh
+# One call (no split): CALL=0 MINUTES=9 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh (the corpus is built beside
+# the compiles, as in call 1).
+# Continued training (a second stage from the shipped model: its weights, a fresh optimizer and schedule, the
+# 8K phase longer; README "Retraining" says how the shipped model was made):
+#   CALL=0 MINUTES=8 LEFT_MIN=9.3 W=/tmp/dm bash training/h200_run.sh --init-from dsv41_jax/default_model \
+#       --peak-lr 6e-4 --phases 2048x32:0.6,8192x8:0.4
 # ATTENTION (default flash: the fused Pallas kernels, 1.49x the step throughput of blocked at 2048 x 32;
 # dsv41_jax/train_attention.py, docs/BENCHMARKS.md "Training the default model") picks the training attention;
 # HEAD (default bf16: the LM head GEMM in bf16 operands, f32 accumulation, in training only) its head.
@@ -26,13 +31,16 @@ mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1
 COMMON=(--corpus "$W/corpus" --out "$W/run" --cache-dir "$W/jax_cache" --attention "${ATTENTION:-flash}" --head "${HEAD:-bf16}")
 
-if [ "$CALL" = 1 ]; then
+WAIT=()
+if [ "$CALL" != 2 ] && [ ! -f "$W/corpus/manifest.json" ]; then
   python3 -m training.code_corpus --out "$W/corpus" ${CORPUS_ARGS:-} > "$W/corpus.log" 2>&1 &
   CORPUS_PID=$!
-  python3 -m training.train_default "${COMMON[@]}" --wait-corpus 400 --minutes "$MINUTES" --total-minutes 1000 \
+  WAIT=(--wait-corpus 400)
+fi
+if [ "$CALL" = 1 ]; then
+  python3 -m training.train_default "${COMMON[@]}" "${WAIT[@]}" --minutes "$MINUTES" --total-minutes 1000 \
       --pause-at $(( T0 + ${PAUSE_S:-540} )) "$@"
-  wait "$CORPUS_PID"
-  tail -n 3 "$W/corpus.log"
+  [ -n "${CORPUS_PID:-}" ] && wait "$CORPUS_PID" && tail -n 3 "$W/corpus.log"
   split -b 15000000 -d "$W/run/masters.pkl" "$OUT/masters.pkl.part-"
   ls -la "$OUT"
   exit 0
@@ -46,7 +54,7 @@ fi
 RESUME=()
 [ "$CALL" = 2 ] && RESUME=(--resume)
 LEFT=$(python3 -c "import time; print(round(${LEFT_MIN:-9.3} - (time.time() - $T0) / 60, 2))")
-python3 -m training.train_default "${COMMON[@]}" "${RESUME[@]}" --minutes "$MINUTES" --total-minutes "$LEFT" \
+python3 -m training.train_default "${COMMON[@]}" "${RESUME[@]}" "${WAIT[@]}" --minutes "$MINUTES" --total-minutes "$LEFT" \
     --reserve 75 "$@"
 tar -C "$W/run" -cf "$W/default_model.tar" --exclude ckpt.pkl --exclude masters.pkl --exclude '*.tmp' .
 split -b 15000000 -d "$W/default_model.tar" "$OUT/default_model.tar.part-"  # <= 15 MB a returned file

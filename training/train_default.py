@@ -104,6 +104,10 @@ def parse(argv=None):
     ap.add_argument("--resume", action="store_true",
                     help="continue from --out/ckpt.pkl (or, without it, from the masters of --out/masters.pkl with a "
                          "fresh optimizer state)")
+    ap.add_argument("--init-from", default="", metavar="HF_DIR",
+                    help="start from a served checkpoint (e.g. dsv41_jax/default_model; a draft in it is dropped): "
+                         "its dequantized weights as masters, a fresh optimizer state and a new schedule over "
+                         "--minutes (continued training); its training.json is kept as the run's first stage")
     ap.add_argument("--pause-at", type=float, default=0.0,
                     help="unix time: stop the training loop there, write the checkpoint (and masters.pkl) and exit "
                          "without export; `--resume` continues the same schedule (a run split over two device calls)")
@@ -199,6 +203,32 @@ class Run:
                                                                  jnp.float32(lr))
         return met
 
+    def init_from(self, directory: Path) -> dict:
+        """Masters from a served checkpoint (continued training): every weight dequantized, the optimizer state
+        left fresh. Returns the checkpoint's training facts (its training.json's "training"; {} without one)."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from checkpoints import load
+
+        cfg_c, params = load(directory, weight_format="fp8", progress=False)
+        if cfg_c.has_draft:  # the backbone alone; the draft is retrained on the new backbone (train_dspark)
+            cfg_c = cfg_c.replace(n_mtp_layers=0, dspark_block_size=0)
+            params = {k: v for k, v in params.items() if k != "mtp"}
+        diff = {k: (getattr(cfg_c, k), getattr(self.cfg, k)) for k in self.cfg.__dataclass_fields__
+                if k != "name" and not k.startswith("dspark_") and getattr(cfg_c, k) != getattr(self.cfg, k)}
+        if diff:  # the backbone's shapes and formats (the name and the draft's fields aside)
+            raise ValueError(f"--init-from {directory}: its config differs from the trainer's (checkpoint, "
+                             f"trainer): {diff}")
+        masters = jax.jit(lambda p: T.masters_from_params(self.cfg, p),
+                          out_shardings=NamedSharding(self.mesh, P()))(params)
+        shapes = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)  # noqa: E731
+        if shapes(masters) != shapes(self.masters):
+            raise ValueError(f"--init-from {directory}: its parameter tree differs from the trainer's masters")
+        self.masters = masters
+        facts = Path(directory) / "training.json"
+        return json.loads(facts.read_text()).get("training", {}) if facts.exists() else {}
+
     def save(self, path: Path, extra: dict):
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
@@ -266,7 +296,18 @@ def probe(a, cfg, h, mesh, hasher, train):
     return res
 
 
-def plot(curve, path: Path, title: str):
+def _stage_curves(prior: dict) -> list[tuple[int, list]]:
+    """(tokens before the stage, its curve) for each earlier stage of a continued run, oldest first."""
+    if not prior:
+        return []
+    earlier = _stage_curves(prior.get("init_from", {}))
+    before = prior["init_from"].get("tokens_seen_total", prior["init_from"].get("tokens_seen", 0)) \
+        if prior.get("init_from") else 0
+    return earlier + [(before, prior.get("curve", []))]
+
+
+def plot(stages, path: Path, title: str):
+    """The loss curves of a run's stages ((tokens before the stage, curve), ...), on one token axis."""
     try:
         import matplotlib
     except ImportError:  # the `bench` extra (pyproject.toml); the GPU image has it
@@ -277,17 +318,21 @@ def plot(curve, path: Path, title: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    tr = [(c["tokens"] / 1e6, c["train_ce"]) for c in curve if c.get("train_ce") is not None]
-    va = [(c["tokens"] / 1e6, c["valid"]) for c in curve if c.get("valid") is not None]
-    if tr:
-        ax.plot(*zip(*tr), label="train CE (batch)", lw=1)
-    if va:
-        ax.plot(*zip(*va), "o-", label="validation (served fp8 tree)", ms=3)
+    for i, (before, curve) in enumerate(stages):
+        tr = [((before + c["tokens"]) / 1e6, c["train_ce"]) for c in curve if c.get("train_ce") is not None]
+        va = [((before + c["tokens"]) / 1e6, c["valid"]) for c in curve if c.get("valid") is not None]
+        tag = f" (stage {i + 1})" if len(stages) > 1 else ""
+        if tr:
+            ax.plot(*zip(*tr), label="train CE (batch)" + tag, lw=1)
+        if va:
+            ax.plot(*zip(*va), "o-", label="validation (served fp8 tree)" + tag, ms=3)
+        if i:
+            ax.axvline(before / 1e6, color="gray", ls=":", lw=1)
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("nats / token")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -366,6 +411,15 @@ def main(argv=None):
         step, seen, elapsed0, curve = st["step"], st["seen"], st["elapsed"], st["curve"]
         phase_stats.update(st.get("phases", {}))
         print(f"resumed at step {step} ({seen:,} tokens, {elapsed0:.0f} s trained)")
+    prior = {}  # the first stage of a continued run (--init-from): its training facts
+    if a.init_from:
+        if step == 0:
+            prior = run.init_from(Path(a.init_from))
+        else:  # resumed mid-continuation: the weights came from the checkpoint, the facts from the directory
+            f = Path(a.init_from) / "training.json"
+            prior = json.loads(f.read_text()).get("training", {}) if f.exists() else {}
+        print(f"continuing from {a.init_from}: {prior.get('tokens_seen_total', prior.get('tokens_seen', 0)):,} "
+              f"tokens trained before", flush=True)
     left = a.total_minutes * 60.0 - (time.perf_counter() - t_all) - a.reserve
     budget = max(min(a.minutes * 60.0, left + elapsed0), 10.0)
     if budget < a.minutes * 60.0:
@@ -513,8 +567,18 @@ def main(argv=None):
         "files": sizes, "checkpoint_bytes": info["total_bytes"],
         "wall_seconds": round(time.perf_counter() - t_all, 1),
     }
+    before = prior.get("tokens_seen_total", prior.get("tokens_seen", 0))
+    if a.init_from:  # a continued run: this stage's facts above, the earlier stages' here, and the totals
+        facts["training"]["init_from"] = {"checkpoint": a.init_from, **prior}
+        facts["training"]["tokens_seen_total"] = int(before + seen)
+        facts["training"]["train_seconds_total"] = round(prior.get("train_seconds_total",
+                                                                   prior.get("train_seconds", 0.0)) + train_s, 1)
     (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
-    plot(curve, out / "loss_curve.png", f"{cfg.name}: {seen / 1e6:.0f}M tokens in {train_s / 60:.1f} min")
+    stages = _stage_curves(prior) + [(before, curve)]
+    total_s = facts["training"].get("train_seconds_total", train_s)
+    plot(stages, out / "loss_curve.png",
+         f"{cfg.name}: {(before + seen) / 1e6:.0f}M tokens in {total_s / 60:.1f} min"
+         + (f" ({len(stages)} stages)" if len(stages) > 1 else ""))
     e, tr = facts["eval"], facts["training"]
     rows = [("train tokens", f"{len(train):,}"), ("steps / epochs", f"{step} / {tr['epochs']}"),
             ("tokens/s (by phase)", f"{tr['tokens_per_second']:,} ({tok_s})"),
