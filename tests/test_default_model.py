@@ -149,3 +149,31 @@ def test_model_tour_notebook_runs(monkeypatch):
     out = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "check loss" in out and "greedy continuation" in out and "served" in out
     assert "reloaded fine-tuned model" in out
+
+
+def test_continued_training_starts_at_the_shipped_weights(model):
+    """`train_default --init-from` (a second training stage): masters made from the shipped checkpoint (its draft
+    dropped) export back to the values it serves, every tensor equal in value (a block whose largest value lies
+    below its scale's range may re-encode with half the scale and twice the codes), so the continued run starts
+    exactly at the shipped model; the earlier stage's facts come with it."""
+    from training import data as D
+    from training.train_default import Run, model_config
+
+    cfg = model_config()
+    run = Run(cfg, T.Hyper(), D.data_mesh(), 0)
+    fresh = flat(jax.device_get(run.export(run.masters)))
+    prior = run.init_from(DIR)
+    assert prior["tokens_seen"] > 0 and prior["steps"] > 0
+    shipped = {k: v for k, v in model[1].items() if k != "mtp"}
+    exported = jax.device_get(run.export(run.masters))
+    got, want = flat(exported), flat(shipped)
+    assert got.keys() == want.keys()
+    values = jax.jit(lambda t: T.masters_from_params(cfg, t))
+    got_v, want_v = flat(jax.device_get(values(exported))), flat(jax.device_get(values(shipped)))
+    assert got_v.keys() == want_v.keys()
+    for k, w in want_v.items():
+        assert np.array_equal(got_v[k], w), k  # f32 views of the served values
+    for k, w in want.items():
+        g = np.ascontiguousarray(got[k])
+        assert g.dtype == w.dtype and g.shape == w.shape, k
+    assert any(fresh[k].tobytes() != np.ascontiguousarray(w).tobytes() for k, w in want.items())
