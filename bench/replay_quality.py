@@ -333,20 +333,31 @@ def _vs_control(rows: dict) -> str:
             + f" (largest {worst:.5f} nats/token)")
 
 
-def model_section(training: dict) -> list[str]:
-    """'The default model' section: its facts as training.json records them."""
-    e, tr, c, mo = training["eval"], training["training"], training["corpus"], training["model"]
+def _stage_text(tr: dict) -> str:
+    """One training stage as training.json records it: device, time, steps, tokens, phases."""
     phases = "; ".join(f"{k} (length x batch): {v['steps']} steps, {v['tokens']:,} tokens in {v['seconds']:.0f} s "
                        f"({tr['tokens_per_second_by_phase'][k]:,} tokens/s)" for k, v in tr.get("phases", {}).items())
+    return (f"on {tr.get('n_devices', 1)} {tr['device']} in {tr['train_seconds']:.0f} s "
+            f"(+ {tr.get('compile_seconds', 0):.0f} s compiling): {tr['steps']} steps, {tr.get('tokens_seen', 0):,} "
+            f"tokens at {tr['tokens_per_second']:,} tokens/s, {tr['epochs']} epochs"
+            + (f". Phases: {phases}" if phases else ""))
+
+
+def model_section(training: dict) -> list[str]:
+    """'The default model' section: its facts as training.json records them (a continued stage names the stage
+    it started from under training.init_from; both are described)."""
+    e, tr, c, mo = training["eval"], training["training"], training["corpus"], training["model"]
+    first = tr.get("init_from")
+    how = (f"in two stages: stage 1 {_stage_text(first)}; stage 2, continued from it (`--init-from`), "
+           f"{_stage_text(tr)}; {tr['tokens_seen_total']:,} tokens in {tr['train_seconds_total']:.0f} s of training "
+           "in all" if first else _stage_text(tr))
     L = ["## The default model", "",
          f"`dsv41_jax/default_model` ({mo['name']}): {mo['backbone_params'] / 1e6:.1f}M backbone parameters "
          f"(+ {mo['engram_table_params'] / 1e6:.2f}M Engram table rows), {mo['max_seq_len'] // 1024}K context, "
-         f"trained by `python -m training.train_default` on {tr.get('n_devices', 1)} {tr['device']} in "
-         f"{tr['train_seconds']:.0f} s (+ {tr.get('compile_seconds', 0):.0f} s compiling): {tr['steps']} steps, "
-         f"{tr.get('tokens_seen', 0):,} tokens at {tr['tokens_per_second']:,} tokens/s, {tr['epochs']} epochs over "
-         f"{c['tokens']['train']:,} training tokens ({c['files']['train']:,} files of Python {c['python']}'s standard "
-         f"library and installed packages, with chat and tool-call documents); checkpoint of step {tr['best_step']}, "
-         "the best validation loss." + (f" Phases: {phases}." if phases else ""), "",
+         f"trained by `python -m training.train_default` over {c['tokens']['train']:,} training tokens "
+         f"({c['files']['train']:,} files of Python {c['python']}'s standard library and installed packages, with "
+         f"chat and tool-call documents) {how}. Checkpoint of step {tr['best_step']} of the last stage, the best "
+         "validation loss.", "",
          "| metric | value |", "|---|---|"]
     for key, what in (("heldout", "all held-out"), ("heldout_stdlib", "stdlib"), ("heldout_packages", "packages")):
         if key in e:

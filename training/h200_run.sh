@@ -15,9 +15,12 @@
 # One call (no split): CALL=0 MINUTES=9 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh (the corpus is built beside
 # the compiles, as in call 1).
 # Continued training (a second stage from the shipped model: its weights, a fresh optimizer and schedule, the
-# 8K phase longer; README "Retraining" says how the shipped model was made):
-#   CALL=0 MINUTES=8 LEFT_MIN=9.3 W=/tmp/dm bash training/h200_run.sh --init-from dsv41_jax/default_model \
-#       --peak-lr 6e-4 --phases 2048x32:0.6,8192x8:0.4
+# 8K phase longer; README "Retraining" says how the shipped model was made). The shipped stage 2 (on an H100,
+# where 8 x 8K runs out of memory, hence 8192x4; on an H200 8192x8 fits):
+#   CALL=0 MINUTES=5.5 LEFT_MIN=9.5 W=/tmp/dm bash training/h200_run.sh --init-from dsv41_jax/default_model \
+#       --peak-lr 6e-4 --phases 2048x32:0.7,8192x4:0.3
+# then its draft: python -m training.train_dspark --backbone /tmp/dm/run --corpus /tmp/dm/corpus --out /tmp/dsp \
+#       --cache-dir /tmp/dm/jax_cache --total-minutes 5.3 --install
 # ATTENTION (default flash: the fused Pallas kernels, 1.49x the step throughput of blocked at 2048 x 32;
 # dsv41_jax/train_attention.py, docs/BENCHMARKS.md "Training the default model") picks the training attention;
 # HEAD (default bf16: the LM head GEMM in bf16 operands, f32 accumulation, in training only) its head.
