@@ -194,9 +194,10 @@ class MoeWeights:
         return self._tiled[bk]
 
 
-def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool, extra=()):
-    """(cases, reference fn, reference args) of one MoE GEMM at M rows; `extra`: (name, MoeBlock) pairs beyond the
-    candidates (official layout; FP8-dot blocks get FP8 x)."""
+def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool, extra=(), tiled: bool = True):
+    """(cases, reference fn, reference args) of one MoE GEMM at M rows; `extra`: (name, MoeBlock) pairs instead of
+    the candidates (official layout; FP8-dot blocks get FP8 x); tiled: the v1 kernel on the tiled layout too (M =
+    6, 48)."""
     fused = matrix == "w13+swiglu"
     N, K = (INTER, D) if fused else (D, INTER)
     gss = [jnp.asarray(routing_sizes(M, r)) for r in range(ROUTINGS)]
@@ -226,7 +227,7 @@ def moe_group(W: MoeWeights, matrix: str, M: int, with_xla: bool, extra=()):
         cases.append(Case("moe", matrix, M, "xla", None, f(None, "xla"), args(xb, xc, W.off)[:2], nbytes, 0.0))
     cur = pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=fused)
     cases.append(Case("moe", matrix, M, "current", cur, f(cur), args(xb, xc, W.off), nbytes, tol))
-    if M in (6, 48) and cur.bk >= 128:
+    if tiled and M in (6, 48) and cur.bk >= 128:
         t = replace(cur, layout="tiled")
         cases.append(Case("moe", matrix, M, "bf16x2-tiled", t, f(t), args(xb, xc, W.tiled(cur.bk)), nbytes, tol,
                           key=(kname, N, K, M)))
@@ -283,3 +284,47 @@ def dense_group(matrix: str, M: int, weights, extra=()):
             cases.append(Case("dense", matrix, M, name, b, f(b, fp8x=fp8x), args(xq if fp8x else xb, xc), nbytes,
                               TOL_FAST if b.fast_accum else TOL_EXACT, key=(N, K, M)))
     return cases, f(None, "xla"), args(xb, xc)[0], {}
+
+
+# ----------------------------------------------------------------------------- A/B of the TUNED entries
+def _variants(base, changes):
+    out = [("tuned", base)]
+    for ch in changes:
+        b = replace(base, **ch)
+        if b not in [o for _, o in out]:
+            out.append((",".join(f"{k}={v}" for k, v in ch.items()), b))
+    return out
+
+
+def moe_ab_blocks(M: int, active: float) -> list[tuple[str, MoeBlock]]:
+    """The TUNED fused w1/w3 block at M rows (the model's pick) and its variants: prefetch toggled, the w13 weight
+    schedules of fp8_kernel.py ("grid": one weight per program; "serial"), deeper pipelines, other K splits."""
+    from pallas_kernels.moe.block_sizes import tuned_moe_block
+
+    base = tuned_moe_block(M, INTER, D, active, True, True)
+    if base is None:
+        return []
+    pf = base.prefetch
+    ch = [dict(prefetch=not pf), dict(w13="grid"), dict(w13="grid", prefetch=not pf),
+          dict(w13="grid", num_stages=4), dict(w13="grid", num_stages=4, prefetch=not pf),
+          dict(w13="grid", num_stages=5)]
+    ksteps = D // base.bk
+    for s in (base.splits // 2, base.splits * 2):
+        if s >= 1 and ksteps % s == 0:
+            ch.append(dict(w13="grid", splits=s))
+    if M == 6:
+        ch.append(dict(w13="serial"))
+    return _variants(base, ch)
+
+
+def w2_ab_blocks(M: int, active: float) -> list[tuple[str, MoeBlock]]:
+    """w2 (the model keeps v1): the swept FP8-dot default with and without prefetch."""
+    b = fp8_moe_block(max(1, int(np.ceil(M / active))), D, INTER, int(np.ceil(active)))
+    return [] if b is None else [("fp8", b), ("fp8,prefetch=True", replace(b, prefetch=True))]
+
+
+def dense_ab_blocks(M: int, N: int, K: int) -> list[tuple[str, GemmBlock]]:
+    from pallas_kernels.gemm.block_sizes import tuned_gemm_block
+
+    base = tuned_gemm_block(M, N, K, True)
+    return [] if base is None else _variants(base, [dict(prefetch=not base.prefetch)])

@@ -2,7 +2,7 @@
 ones and XLA, in one run, with the winner per shape printed for the TUNED tables.
 
     python -m bench.weight_gemms --out bench/results/weight_gemms_h200.json --plot bench/results/weight_gemms_h200.png
-        [--budget 270] [--iters 20] [--only moe|dense] [--threads 8] [--smoke] [--dry-run]
+        [--budget 270] [--iters 20] [--only moe|dense] [--threads 8] [--ab] [--smoke] [--dry-run]
 
 Groups (bench/weight_gemm_cases.py), in priority order: MXFP4 MoE (384 experts, dim 5120, moe_inter 2304) w1 + w3
 + SwiGLU fused and w2 at M = 6, 48, 1, 192, 1536 rows (top-6 routing of M / 6 tokens to random distinct experts);
@@ -16,6 +16,9 @@ bytes + scales), against the 4.3 TB/s copy ceiling. FP8-dot cases get x as E4M3 
 activation quantization produces), the current kernels bf16 x. A failing case records its error and the run goes
 on; `--budget` seconds stops starting new groups (the file and table still come out).
 Output: JSON rows (device, date, commit, command), a PNG, the TUNED lines of the winners, a short table last.
+--ab: instead of the sweep, each TUNED entry (the model's block) beside its variants and the current kernel:
+prefetch on / off, and for the fused w1/w3 MoE kernel the w13 weight schedules (MoeBlock.w13), deeper pipelines
+and other K splits (weight_gemm_cases.moe_ab_blocks); w2 with the FP8-dot default with / without prefetch.
 --smoke: every kernel family at small shapes against its reference (interpret mode on CPU), then exit.
 --dry-run: the whole run (groups, parallel compiles, checks, timing, report) at tiny shapes, for the CPU.
 """
@@ -177,22 +180,26 @@ def groups(a):
     large dense GEMMs at M = 1 / 8, MoE at 1 / 192 / 1536 rows, the small dense ones, M = 64, the head."""
     W, cache = None, {}
 
-    def moe(matrix, M):
+    def moe(matrix, M, extra=None):
         def build():
             nonlocal W
             W = W or wc.MoeWeights()
-            return wc.moe_group(W, matrix, M, with_xla=(M == 6 and matrix == "w2"))
+            ex = () if extra is None else extra(M, _active(M))
+            return wc.moe_group(W, matrix, M, with_xla=(M == 6 and matrix == "w2" and extra is None), extra=ex,
+                                tiled=extra is None)
         return (f"moe {matrix} M={M}", build)
 
-    def dense(matrix, M):
+    def dense(matrix, M, extra=None):
         def build():
             if matrix not in cache:
                 cache.clear()
                 N, K = wc.HEAD if matrix == "head_bf16" else wc.DENSE[matrix]
                 cache[matrix] = wc.dense_weights(N, K, fp8=matrix != "head_bf16")
-            return wc.dense_group(matrix, M, cache[matrix])
+            return wc.dense_group(matrix, M, cache[matrix], extra=() if extra is None else extra(M, *wc.DENSE[matrix]))
         return (f"dense {matrix} M={M}", build)
 
+    if a.ab:
+        return ab_groups(moe, dense)
     moe_ms = [M for M in wc.MOE_MS if M in (6, 48)], [M for M in wc.MOE_MS if M not in (6, 48)]
     big = [m for m in wc.DENSE if m in wc.DENSE_M64]
     small = [m for m in wc.DENSE if m not in wc.DENSE_M64]
@@ -208,6 +215,25 @@ def groups(a):
         out += [dense(mat, M) for mat in small for M in low] + [dense(mat, M) for mat in big for M in high]
         out.append(dense("head_bf16", 1))
     return out
+
+
+def _active(M: int) -> float:
+    """Mean active experts over the bench's routings of M rows (what moe_group measures)."""
+    return float(np.mean([(wc.routing_sizes(M, r) > 0).sum() for r in range(wc.ROUTINGS)]))
+
+
+def ab_groups(moe, dense):
+    """--ab: each TUNED entry (the model's block) beside its variants (prefetch toggled; for the fused w1/w3 MoE
+    kernel the w13 weight schedules, pipeline depths and K splits of weight_gemm_cases.moe_ab_blocks), and the current
+    kernel; then w2 with the FP8-dot default with / without prefetch."""
+    from pallas_kernels.gemm.block_sizes import TUNED as DENSE_TUNED
+    from pallas_kernels.moe.block_sizes import TUNED as MOE_TUNED
+
+    names = {v: k for k, v in wc.DENSE.items()}
+    out = [moe("w13+swiglu", M, wc.moe_ab_blocks) for M in (6, 48, 1, 192)
+           if ("swiglu", wc.INTER, wc.D, M) in MOE_TUNED]
+    out += [dense(names[(N, K)], M, wc.dense_ab_blocks) for (N, K, M) in DENSE_TUNED if (N, K) in names]
+    return out + [moe("w2", M, wc.w2_ab_blocks) for M in (6, 48)]
 
 
 # ----------------------------------------------------------------------------- report
@@ -338,6 +364,7 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="moe or dense")
     ap.add_argument("--budget", type=float, default=270.0, help="start no new group after this many seconds")
     ap.add_argument("--threads", type=int, default=8, help="parallel compiles per group")
+    ap.add_argument("--ab", action="store_true", help="the TUNED entries beside their variants (ab_groups)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="the whole run at tiny shapes (CPU check of the script)")
     a = ap.parse_args(argv)

@@ -30,6 +30,11 @@ LAYOUTS = ("official", "tiled")
 DECODES = ("bf16x2", "e4m3", "fp8")
 MXFP4_LAYOUT = "official"  # the byte layout the default blocks read (checkpoints/kernel_layout.py converts to it)
 TILED_BK = 256  # the k tile a "tiled" MXFP4 weight is laid out for (blocks reading it use this bk)
+# The fused w1/w3 FP8-dot kernel's weight schedule (MoeBlock.w13): "joint" = both weights' tiles decoded and dotted
+# in one k loop (the two decoded planes of both weights live at once: 211 registers a thread under ncu); "serial" =
+# one program, w1's k loop then w3's (one weight's planes live at a time); "grid" = one weight per program (grid
+# axis 2 = 2 x splits: f32 g / u partials, the SwiGLU in the wrapper as with K splits).
+W13_MODES = ("joint", "serial", "grid")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class MoeBlock:
     swap: bool = False  # decode "fp8": weight planes as the dots' first operand
     fast_accum: bool = False  # decode "fp8": FP8 wgmma accumulation inside a dot (pallas_kernels/fp8dot.py)
     prefetch: bool = False  # decode "fp8": a step's x tiles and scales loaded one step ahead (fp8_kernel.py)
+    w13: str = "joint"  # decode "fp8", grouped_swiglu: how a program streams w1 / w3 (W13_MODES, fp8_kernel.py)
 
 
 # (kernel, N, K, M) -> the fastest block measured at M rows routed over 384 experts (bench/weight_gemms.py prints
@@ -54,16 +60,18 @@ class MoeBlock:
 # expected rows per active expert.
 # Measured on the H200 (bench/results/weight_gemms_fp8dot_h200.json): w1/w3 + SwiGLU up to 192 rows; w2 and
 # 1536 rows: the current kernel won (no entry). prefetch at 6 rows: 41.5 -> 38.7 us under Nsight Compute on an H100
-# (bench/results/weight_gemm_counters_sweep_swiglu6_h100.json; not yet timed on the H200).
+# (bench/results/weight_gemm_counters_sweep_swiglu6_h100.json). `bench/weight_gemms.py --ab` on an H100 (no H200 could
+# be started; bench/results/weight_gemms_ab_h100.json): prefetch at 48 / 192 rows 360 -> 259 us and 1121 -> 836 us
+# (now on), at 6 rows 48.7 -> 46.3 us; w13="grid" 6% faster at 1 and 6 rows (not adopted: one run, an H100).
 TUNED: dict[tuple[str, int, int, int], MoeBlock] = {
     ("swiglu", 2304, 5120, 1): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=4, splits=5, layout="official",
                                         decode="fp8", nb=16, swap=True, fast_accum=True),
     ("swiglu", 2304, 5120, 6): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=3, splits=2, layout="official",
                                         decode="fp8", nb=16, swap=True, fast_accum=True, prefetch=True),
     ("swiglu", 2304, 5120, 48): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
-                                         decode="fp8", nb=8, swap=True, fast_accum=True),
+                                         decode="fp8", nb=8, swap=True, fast_accum=True, prefetch=True),
     ("swiglu", 2304, 5120, 192): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
-                                          decode="fp8", nb=8, swap=True, fast_accum=True),
+                                          decode="fp8", nb=8, swap=True, fast_accum=True, prefetch=True),
 }
 
 def _splits(programs: int, ksteps: int, target: int) -> int:

@@ -12,7 +12,9 @@ block scales (sx of the x rows, 2^(s - 127 + 6) of the weights) multiply P, and 
 MoeBlock fields: bm = R rows per work item (tile_metadata with bm = R), nb (R * nb = the MMA's rows), bk = k per
 loop step (bk / (32 nb) sub-tile loads per step), bn, splits, swap (weight planes as the dots' first operand;
 the output is then produced transposed, [N, M], and the wrapper transposes it), fast_accum (FP8 wgmma, see
-pallas_kernels/fp8dot.py).
+pallas_kernels/fp8dot.py), prefetch (a step's small loads one step ahead), w13 (swiglu_fp8's weight schedule:
+"joint" = w1 and w3 tiles in one k loop; "serial" = w1's loop then w3's in one program; "grid" = one weight per
+program, f32 g / u partials finished by the wrapper; block_sizes.W13_MODES).
 
 Work list, masking and the zero-initialised aliased output as in kernel.py (pallas_kernels/moe/worklist.py).
 Numerics: pallas_kernels/fp8dot.py (products exact; f32 sums with the 16-row MMA). grouped_swiglu: the fused
@@ -112,12 +114,25 @@ def _gmm_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, _, o_
 def _swiglu_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
                    blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
     e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
-    sp = pl.program_id(2)
+    q = pl.program_id(2)
+    xs = (xe_ref, xo_ref, sx_ref)
+    if blk.w13 == "grid":  # program q: weight q % 2 (0: w1 -> g, 1: w3 -> u) of split q // 2, into partial q
+        sp = q // 2
+        for which, ws in ((0, (w1_ref, s1_ref)), (1, (w3_ref, s3_ref))):
+            @pl.when((hi > lo) & (q % 2 == which))
+            def _(ws=ws):
+                [y] = _sum_blocks(xs, [ws], layer_ref[0], e, r0, rmask, n0, sp * ksteps, ksteps, blk, interpret)
+                _store(o_ref, ((q,), r0, n0), y, rmask, blk)
+        return
+    sp = q
 
     @pl.when(hi > lo)
     def _():
-        g, u = _sum_blocks((xe_ref, xo_ref, sx_ref), [(w1_ref, s1_ref), (w3_ref, s3_ref)], layer_ref[0], e, r0,
-                           rmask, n0, sp * ksteps, ksteps, blk, interpret)
+        args = (layer_ref[0], e, r0, rmask, n0, sp * ksteps, ksteps, blk, interpret)
+        if blk.w13 == "serial":  # w1's k loop, then w3's: one weight's decoded planes live at a time
+            [g], [u] = _sum_blocks(xs, [(w1_ref, s1_ref)], *args), _sum_blocks(xs, [(w3_ref, s3_ref)], *args)
+        else:
+            g, u = _sum_blocks(xs, [(w1_ref, s1_ref), (w3_ref, s3_ref)], *args)
         if len(o_ref.shape) == 3:  # split K: f32 partials [2 * split + (0: g, 1: u)], the wrapper finishes
             _store(o_ref, ((2 * sp,), r0, n0), g, rmask, blk)
             _store(o_ref, ((2 * sp + 1,), r0, n0), u, rmask, blk)
@@ -132,6 +147,12 @@ def _x_planes(xq):
     return xq[:, 0::2], xq[:, 1::2]
 
 
+def _out_init(shape, dtype):
+    """The output buffer the kernels store into (aliased): zeros, so rows no work item owns (padding) read 0. A
+    seam for the tests, which poison it to check that every owned element is written."""
+    return jnp.zeros(shape, dtype)
+
+
 def _out(y, blk: MoeBlock):
     return jnp.swapaxes(y, -1, -2) if blk.swap else y
 
@@ -143,7 +164,7 @@ def gmm_fp8(xq, sx, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: b
     n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
     shape = (S, N, M) if blk.swap else (S, M, N)
-    args = [layer, work, *_x_planes(xq), sx, w, codes, jnp.zeros(shape, F32)]
+    args = [layer, work, *_x_planes(xq), sx, w, codes, _out_init(shape, F32)]
     y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // S, interpret=interpret), args,
              jax.ShapeDtypeStruct(shape, F32), (n_items, N // blk.bn, S), blk, interpret, "moe_gmm_fp8")
     return _out(y[0] if S == 1 else jnp.sum(y, axis=0), blk)
@@ -157,13 +178,14 @@ def swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeB
     n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
     tile = (N, M) if blk.swap else (M, N)
-    out = jnp.zeros((2 * S, *tile), F32) if S > 1 else jnp.zeros(tile, dtype)
+    partials = S > 1 or blk.w13 == "grid"
+    out = _out_init((2 * S, *tile), F32) if partials else _out_init(tile, dtype)
     args = [layer, work, *_x_planes(xq), sx, w1, c1, w3, c3, route_w.astype(F32), out]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
                                interpret=interpret),
-             args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
-             "moe_swiglu_fp8")
-    if S == 1:
+             args, jax.ShapeDtypeStruct(out.shape, out.dtype),
+             (n_items, N // blk.bn, 2 * S if blk.w13 == "grid" else S), blk, interpret, "moe_swiglu_fp8")
+    if not partials:
         return _out(y, blk)
     gu = _out(jnp.sum(y.reshape(S, 2, *tile), axis=0), blk)
     return swiglu_rows(gu[0], gu[1], route_w.astype(F32)[:, None], limit, dtype).astype(dtype)

@@ -54,7 +54,7 @@ from pallas_kernels.gemm.kernel import (
     scale_codes,
     x_codes_f32_scale,
 )
-from pallas_kernels.moe.block_sizes import DECODES, LAYOUTS, MoeBlock, pick_moe_block
+from pallas_kernels.moe.block_sizes import DECODES, LAYOUTS, W13_MODES, MoeBlock, pick_moe_block
 from pallas_kernels.moe.fp8_kernel import gmm_fp8, swiglu_fp8
 from pallas_kernels.moe.worklist import call, item, max_work_items, meta, swiglu_rows, tile_metadata  # noqa: F401
 
@@ -234,6 +234,8 @@ def permute_k(x, blk: MoeBlock):
 
 
 def check_moe_block(blk: MoeBlock, N: int, K: int, fp4: bool):
+    if blk.w13 not in W13_MODES or (blk.w13 != "joint" and blk.decode != "fp8"):
+        raise ValueError(f"block {blk}: w13 in {W13_MODES}; other than 'joint' only with decode 'fp8'")
     if blk.decode == "fp8":
         if not fp4 or blk.layout != "official":
             raise ValueError(f"block {blk}: decode 'fp8' reads MXFP4 experts in the official layout")
