@@ -18,8 +18,6 @@ E, N, K = 8, 64, 256
 GROUPS = (3, 0, 21, 1, 0, 9, 0, 2)  # 36 rows, 4 padding rows; empty experts 1, 4, 6
 M = 40
 
-_rows = fp8_rows
-
 
 @pytest.fixture(scope="module")
 def data():
@@ -28,7 +26,7 @@ def data():
     w = (w * jnp.exp2(jax.random.randint(k[2], (2, E, N, K // 32, 1), -5, 3))).reshape(2, E, N, K)
     p, s = quant.quantize_weight_fp4(w)
     rw = jax.random.uniform(k[3], (M,), jnp.float32, 0.05, 1.0)
-    return p, s, rw, _rows(k[0], M, K)
+    return p, s, rw, fp8_rows(k[0], M, K)
 
 
 def _run(data, blk):
