@@ -7,6 +7,11 @@ For each kernel choice, an engine with only its decode program decodes `--batch`
 well-formed KV at `--context`, as bench/decode_itl.py) for `--steps` steps under `jax.profiler`; the device
 events of the trace are grouped by kernel name: launches per step, microseconds per step, share of the step.
 Writes the top 25 per side (and the totals) and prints a short table last.
+
+With `--sources DIR`, XLA dumps the optimized HLO of every program into DIR and each kernel of the profile is
+traced to the JAX source line its fusion came from (the fusion's `metadata` in the largest dumped module, the
+decode program); the result gains `by_source`: kernels and microseconds per step grouped by source line, which
+says where the tail of small kernels comes from (bench/hlo_sources.py).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def profile(engine, B, context, steps, rng):
     return {"wall_ms_per_step": round(1000 * wall, 3), "kernels_per_step": round(sum(v[0] for v in agg.values())
                                                                                  / steps, 1),
             "device_ms_per_step": round(total_ns / steps / 1e6, 3), "top25": rows[:25],
-            "distinct_kernels": len(rows)}
+            "distinct_kernels": len(rows), "all": rows}
 
 
 def main(argv=None):
@@ -85,7 +90,13 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--sources", default="", help="dump XLA's HLO here and group kernels by JAX source line")
     a = ap.parse_args(argv)
+    if a.sources:
+        import os
+
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.sources}"
+                                   " --xla_dump_hlo_as_text").strip()
     import jax
 
     import checkpoints
@@ -110,6 +121,10 @@ def main(argv=None):
         eng = Engine(cfg, args, params=params, progress=False, programs=lambda k: k.kind == "decode")
         fill_pools(eng)
         res[impl] = profile(eng, a.batch, a.context, a.steps, rng)
+        if a.sources:
+            from bench.hlo_sources import by_source
+
+            res[impl]["by_source"] = by_source(res[impl]["all"], a.sources)
         del eng
     if a.out:
         from bench.common import write_result
@@ -122,6 +137,8 @@ def main(argv=None):
               f"wall {r['wall_ms_per_step']} ms/step")
         for row in r["top25"][:12]:
             print(f"  {row['us_per_step']:9.1f} us {row['count_per_step']:7.1f}x  {row['kernel'][:80]}")
+        for row in r.get("by_source", [])[:30]:
+            print(f"  src {row['us_per_step']:9.1f} us {row['count_per_step']:7.1f}x  {row['source'][:90]}")
     return res
 
 

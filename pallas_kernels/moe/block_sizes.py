@@ -62,12 +62,14 @@ class MoeBlock:
 # 1536 rows: the current kernel won (no entry). prefetch at 6 rows: 41.5 -> 38.7 us under Nsight Compute on an H100
 # (bench/results/weight_gemm_counters_sweep_swiglu6_h100.json). `bench/weight_gemms.py --ab` on an H100 (no H200 could
 # be started; bench/results/weight_gemms_ab_h100.json): prefetch at 48 / 192 rows 360 -> 259 us and 1121 -> 836 us
-# (now on), at 6 rows 48.7 -> 46.3 us; w13="grid" 6% faster at 1 and 6 rows (not adopted: one run, an H100).
+# (now on), at 6 rows 48.7 -> 46.3 us. w13="grid" at 1 row and grid with one split at 6 rows: 18.8 -> 17.7 us and
+# 46.3 -> 43.7 us, and again on a second H100 the next day (bench/results/weight_gemms_ab2_h100.json): 18.5 -> 17.5
+# and 46.1 -> 43.9 us; adopted (two runs, both on H100s).
 TUNED: dict[tuple[str, int, int, int], MoeBlock] = {
     ("swiglu", 2304, 5120, 1): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=4, splits=5, layout="official",
-                                        decode="fp8", nb=16, swap=True, fast_accum=True),
-    ("swiglu", 2304, 5120, 6): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=3, splits=2, layout="official",
-                                        decode="fp8", nb=16, swap=True, fast_accum=True, prefetch=True),
+                                        decode="fp8", nb=16, swap=True, fast_accum=True, w13="grid"),
+    ("swiglu", 2304, 5120, 6): MoeBlock(bm=1, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
+                                        decode="fp8", nb=16, swap=True, fast_accum=True, prefetch=True, w13="grid"),
     ("swiglu", 2304, 5120, 48): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
                                          decode="fp8", nb=8, swap=True, fast_accum=True, prefetch=True),
     ("swiglu", 2304, 5120, 192): MoeBlock(bm=2, bn=64, bk=512, num_warps=4, num_stages=3, splits=1, layout="official",
