@@ -1,7 +1,7 @@
 """FP8 x FP8 small-M GEMM on FP8 block-32 weights (GemmBlock.decode == "fp8"): y = x @ dequant(w)^T, f32.
 
-    matmul_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] uint8 UE8M0 codes, w [L, N, K] e4m3,
-               codes [L, N/32, K/32] uint8, layer [1] int32, blk) -> [M, N] f32
+    matmul_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] f32, w [L, N, K] e4m3, codes [L, N/32, K/32] uint8,
+               layer [1] int32, blk) -> [M, N] f32
 
 The weight tile goes to the tensor core as stored (no decode): the block-32 scales of both operands are applied
 to f32 per-block sums (pallas_kernels/fp8dot.py: the x tile is expanded block-diagonally over the MMA's rows).
@@ -10,9 +10,7 @@ bk = k per loop step (bk / (32 nb) dots, each on its own [bn, 32 nb] weight load
 partials the wrapper sums), swap (weight tile as the dot's first operand), fast_accum (FP8 wgmma with Hopper's
 FP8 accumulator inside each dot, pallas_kernels/fp8dot.py), prefetch (the small loads of a step issued one step
 ahead: `small` in _kernel). Grid (M tiles, N tiles, splits).
-Both operands' scale codes are decoded in-kernel from the loaded tiles (fp8dot.pow2: x 2^(code - 127), code 0 -> 0,
-as the wrapper's dequant_x), so the activations' codes go in as the quantization produced them (no XLA op between).
-x rows past M are masked at the loads (codes 0: scale 0); the output is padded to whole M tiles (see kernel.py).
+x rows past M are masked at the loads; the output is padded to whole M tiles (see kernel.py).
 """
 
 from __future__ import annotations
@@ -42,22 +40,22 @@ def _kernel(layer_ref, x_ref, sx_ref, w_ref, s_ref, o_ref, *, blk: GemmBlock, ks
     kb_base = s * (ksteps * blk.bk // 32)
 
     def small(t):
-        """Step t's x tiles, x scale codes and weight scale codes, per dot (blk.prefetch: loaded one step ahead)."""
+        """Step t's x tiles, x scales and weight scale codes, per dot (blk.prefetch: loaded one step ahead)."""
         out = []
         for u in range(nsub):
             kb = kb_base + (t * nsub + u) * nb  # first k block of this dot
             k0 = pl.multiple_of(kb * 32, ksub)
             out.append((plt.load(x_ref.at[pl.ds(m0, R), pl.ds(k0, ksub)], mask=rmask, other=0),
-                        plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0),
+                        plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
                         s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb, nb)]))
         return tuple(out)
 
     def step(t, acc, loads):
         for u in range(nsub):
             k0 = pl.multiple_of((kb_base + (t * nsub + u) * nb) * 32, ksub)
-            xt, cx, sc = loads[u]
+            xt, sx, sc = loads[u]
             wt = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, ksub)], eviction_policy="evict_first")
-            sx, sw = fp8dot.pow2(cx), fp8dot.expand_rows(fp8dot.pow2(sc), 32)
+            sw = fp8dot.expand_rows(fp8dot.pow2(sc), 32)
             p = fp8dot.dot(fp8dot.block_diag(xt, nb, 32), wt, blk.swap, fast)
             acc = acc + p * fp8dot.scale_grid(sx, sw, blk.swap)
         return acc

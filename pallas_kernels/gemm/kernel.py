@@ -4,8 +4,7 @@
 
 x may come as FP8: E4M3 codes [M, K] (float8_e4m3fn or uint8) with `x_scale` E8M0 codes [M, K/32] (the model's
 quantized activations, dsv41_jax.quant.fp8_encode); x = codes * 2^(x_scale - 127). FP8 weights then run the FP8 x
-FP8 dot of fp8_kernel.py where the block says decode="fp8" (both code arrays go in as they are, the kernel decodes
-the scales: `x_codes`); the other paths dequantize x first (exact).
+FP8 dot of fp8_kernel.py where the block says decode="fp8"; the other paths dequantize x first (exact).
 
 Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype float8_e8m0fnu
 or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and the `layer` (an int32
@@ -94,11 +93,10 @@ def dequant_x(xq, x_scale, dtype=BF16):
     return (xq.astype(F32).reshape(M, K // 32, 32) * s[:, :, None]).reshape(M, K).astype(dtype)
 
 
-def x_codes(xq, x_scale):
-    """(uint8 E4M3 codes [M, K], uint8 UE8M0 codes [M, K/32]) for the FP8 kernels, which decode the scales in-kernel
-    (fp8dot.pow2); bitcasts only, so no XLA kernel runs between the activations' quantization and the GEMM."""
+def x_codes_f32_scale(xq, x_scale, offset: int = 0):
+    """(uint8 E4M3 codes [M, K], f32 block multipliers 2^(code - 127 + offset) [M, K/32]) for the FP8 kernels."""
     xq = jax.lax.bitcast_convert_type(xq, jnp.uint8) if xq.dtype != jnp.uint8 else xq
-    return xq, scale_codes(x_scale)
+    return xq, jax.lax.bitcast_convert_type((scale_codes(x_scale).astype(jnp.int32) + offset) << 23, F32)
 
 
 def ref_matmul(x, w, *, scale=None, layer=None, x_scale=None):
@@ -216,7 +214,8 @@ def matmul(x, w, *, scale=None, layer=None, x_scale=None, implementation: str = 
     if blk.decode == "fp8":
         if x_scale is None:
             raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale")
-        return matmul_fp8(*x_codes(x, x_scale), w3, codes, layer_arr, blk=blk, interpret=interpret)
+        xq, sx = x_codes_f32_scale(x, x_scale)
+        return matmul_fp8(xq, sx, w3, codes, layer_arr, blk=blk, interpret=interpret)
     if x_scale is not None:
         x = dequant_x(x, x_scale)
     return _matmul_pallas(x.astype(BF16), w3, codes, layer_arr, blk=blk, interpret=interpret)

@@ -1,16 +1,14 @@
 """FP8 x FP8 grouped GEMMs on MXFP4 experts in the checkpoint's own byte layout (MoeBlock.decode == "fp8").
 
-    gmm_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] uint8 UE8M0 codes, w [L, E, N, K/2] uint8,
-            codes [L, E, N, K/32] uint8, group_sizes, layer [1], blk) -> [M, N] f32
+    gmm_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] f32, w [L, E, N, K/2] uint8, codes [L, E, N, K/32] uint8,
+            group_sizes, layer [1], blk) -> [M, N] f32
     swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, blk, limit, dtype) -> h [M, N] dtype
 
 A [bn, 16 nb] tile of packed bytes (nb blocks of 32 k per row) becomes two E4M3 planes with ~5 integer ops per 8
 weights (fp_decode.e2m1_e4m3_planes: lo = even k, hi = odd k, each e2m1 * 2^-6, no scale); the x rows of the item
-are loaded split the same way (x_even, x_odd [R, 16 nb]: stride-2 loads from xq seen as [M, K/2, 2], a free reshape
-by the wrapper), expanded block-diagonally (pallas_kernels/fp8dot.py), and the two planes' dots give each block's
-sum: P = A_lo . lo^T + A_hi . hi^T; the block scales (2^(sx - 127) of the x rows, 2^(s - 127 + 6) of the weights,
-both decoded in-kernel from the loaded codes by fp8dot.pow2; x code 0 -> 0) multiply P, and the blocks are summed
-at the end. So the activations' E4M3 and UE8M0 codes go in as the quantization produced them (no XLA op between).
+arrive split the same way (x_even [M, K/2], x_odd [M, K/2], made by the wrapper), expanded block-diagonally
+(pallas_kernels/fp8dot.py), and the two planes' dots give each block's sum: P = A_lo . lo^T + A_hi . hi^T; the
+block scales (sx of the x rows, 2^(s - 127 + 6) of the weights) multiply P, and the blocks are summed at the end.
 MoeBlock fields: bm = R rows per work item (tile_metadata with bm = R), nb (R * nb = the MMA's rows), bk = k per
 loop step (bk / (32 nb) sub-tile loads per step), bn, splits, swap (weight planes as the dots' first operand;
 the output is then produced transposed, [N, M], and the wrapper transposes it), fast_accum (FP8 wgmma, see
@@ -29,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -39,39 +36,35 @@ from pallas_kernels.moe.block_sizes import MoeBlock
 from pallas_kernels.moe.worklist import call, item, meta, swiglu_rows
 
 F32 = jnp.float32
-# the last index of the [M, K/2, 2] x view (even / odd k); numpy scalars: Pallas' interpret mode rejects an int there
-_EVEN, _ODD = np.int32(0), np.int32(1)
 
 
 def _sum_blocks(refs, ws, layer, e, r0, rmask, n0, k_lo, ksteps, blk: MoeBlock, interp: bool):
     """For each (w_ref, s_ref) of `ws`: the item's f32 [R, bn] (swap: [bn, R]) over k steps [k_lo, k_lo +
-    ksteps); the x tiles (refs: xq as [M, K/2, 2] (even k, odd k), sx codes) are loaded once per sub-tile for all
-    weights.
+    ksteps); the x tiles (refs: x_even, x_odd, sx) are loaded once per sub-tile for all weights.
     blk.prefetch: the step's small loads (x tiles, x scales, weight scale codes), which Triton's pipeliner leaves
     as plain global loads, are issued one step ahead and carried through the loop, so their latency overlaps the
     current step's decode and dots instead of stalling it."""
-    x_ref, sx_ref = refs
+    xe_ref, xo_ref, sx_ref = refs
     R, nb, bn = blk.bm, blk.nb, blk.bn
     cb = 16 * nb  # packed bytes per row of one sub-tile
     nsub = blk.bk // (32 * nb)
 
     def small(t):
-        """The small loads of step t: per sub-tile (x_lo, x_hi, sx codes, (weight scale codes per weight))."""
+        """The small loads of step t: per sub-tile (x_lo, x_hi, sx, (weight scale codes per weight))."""
         out = []
         for u in range(nsub):
             kb = (k_lo + t) * (blk.bk // 32) + u * nb  # first k block of the sub-tile
             c0 = pl.multiple_of(kb * 16, cb)
-            out.append((plt.load(x_ref.at[pl.ds(r0, R), pl.ds(c0, cb), _EVEN], mask=rmask, other=0),
-                        plt.load(x_ref.at[pl.ds(r0, R), pl.ds(c0, cb), _ODD], mask=rmask, other=0),
-                        plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0),
+            out.append((plt.load(xe_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
+                        plt.load(xo_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
+                        plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
                         tuple(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kb, nb)] for _, s_ref in ws)))
         return tuple(out)
 
     def step(t, accs, loads):
         for u in range(nsub):
             c0 = pl.multiple_of(((k_lo + t) * (blk.bk // 32) + u * nb) * 16, cb)
-            x_lo, x_hi, cx, scodes = loads[u]
-            sx = fp8dot.pow2(cx)
+            x_lo, x_hi, sx, scodes = loads[u]
             a_lo, a_hi = fp8dot.block_diag(x_lo, nb, 16), fp8dot.block_diag(x_hi, nb, 16)
             new = []
             for acc, (w_ref, _), sc in zip(accs, ws, scodes):
@@ -106,23 +99,23 @@ def _store(o_ref, idx, val, rmask, blk: MoeBlock):
         plt.store(o_ref.at[(*lead, pl.ds(r0, blk.bm), pl.ds(n0, blk.bn))], val, mask=rmask)
 
 
-def _gmm_kernel(layer_ref, meta_ref, x_ref, sx_ref, w_ref, s_ref, _, o_ref, *, blk: MoeBlock, ksteps: int,
+def _gmm_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, _, o_ref, *, blk: MoeBlock, ksteps: int,
                 interpret: bool):
     e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
     sp = pl.program_id(2)
 
     @pl.when(hi > lo)
     def _():
-        [y] = _sum_blocks((x_ref, sx_ref), [(w_ref, s_ref)], layer_ref[0], e, r0, rmask, n0, sp * ksteps,
+        [y] = _sum_blocks((xe_ref, xo_ref, sx_ref), [(w_ref, s_ref)], layer_ref[0], e, r0, rmask, n0, sp * ksteps,
                           ksteps, blk, interpret)
         _store(o_ref, ((sp,), r0, n0), y, rmask, blk)
 
 
-def _swiglu_kernel(layer_ref, meta_ref, x_ref, sx_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
+def _swiglu_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
                    blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
     e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
     q = pl.program_id(2)
-    xs = (x_ref, sx_ref)
+    xs = (xe_ref, xo_ref, sx_ref)
     if blk.w13 == "grid":  # program q: weight q % 2 (0: w1 -> g, 1: w3 -> u) of split q // 2, into partial q
         sp = q // 2
         for which, ws in ((0, (w1_ref, s1_ref)), (1, (w3_ref, s3_ref))):
@@ -149,11 +142,9 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, sx_ref, w1_ref, s1_ref, w3_ref, s
         _store(o_ref, ((), r0, n0), h.astype(o_ref.dtype), rmask, blk)
 
 
-def _x_pairs(xq):
-    """uint8 E4M3 codes [M, K] -> [M, K/2, 2] (a reshape, no copy): [.., 0] = even k, [.., 1] = odd k, the k order
-    of the lo / hi weight planes, loaded with stride 2 in-kernel."""
-    M, K = xq.shape
-    return xq.reshape(M, K // 2, 2)
+def _x_planes(xq):
+    """uint8 E4M3 codes [M, K] -> (even k, odd k) [M, K/2] each, the k order of the lo / hi weight planes."""
+    return xq[:, 0::2], xq[:, 1::2]
 
 
 def _out_init(shape, dtype):
@@ -167,13 +158,13 @@ def _out(y, blk: MoeBlock):
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def gmm_fp8(xq, sx, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool):
+def gmm_fp8(xq, sx, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: bool):
     M, K = xq.shape
     _, E, N, _ = w.shape
-    n_items, work = meta(group_sizes, M, E, blk, work)
+    n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
     shape = (S, N, M) if blk.swap else (S, M, N)
-    args = [layer, work, _x_pairs(xq), sx, w, codes, _out_init(shape, F32)]
+    args = [layer, work, *_x_planes(xq), sx, w, codes, _out_init(shape, F32)]
     y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // S, interpret=interpret), args,
              jax.ShapeDtypeStruct(shape, F32), (n_items, N // blk.bn, S), blk, interpret, "moe_gmm_fp8")
     return _out(y[0] if S == 1 else jnp.sum(y, axis=0), blk)
@@ -189,7 +180,7 @@ def swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeB
     tile = (N, M) if blk.swap else (M, N)
     partials = S > 1 or blk.w13 == "grid"
     out = _out_init((2 * S, *tile), F32) if partials else _out_init(tile, dtype)
-    args = [layer, work, _x_pairs(xq), sx, w1, c1, w3, c3, route_w.astype(F32), out]
+    args = [layer, work, *_x_planes(xq), sx, w1, c1, w3, c3, route_w.astype(F32), out]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
                                interpret=interpret),
              args, jax.ShapeDtypeStruct(out.shape, out.dtype),

@@ -15,9 +15,6 @@ def test_pow2_and_expand_rows():
     codes = np.array([[127, 128], [120, 134]], np.uint8)
     np.testing.assert_array_equal(np.asarray(fp8dot.pow2(jnp.asarray(codes))), 2.0 ** (codes.astype(np.float64) - 127))
     np.testing.assert_array_equal(np.asarray(fp8dot.pow2(jnp.asarray(codes), 3)), 2.0 ** (codes - 124.0))
-    # code 0 (x blocks of zeros; the masked rows' `other`) reads as 0, not 2^-127, from uint8 codes as loaded
-    z = fp8dot.pow2(jnp.zeros((2, 3), jnp.uint8))
-    assert z.dtype == jnp.float32 and not np.asarray(z).view(np.uint32).any()
     s = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(np.asarray(fp8dot.expand_rows(jnp.asarray(s), 4)), np.repeat(s, 4, axis=0))
 
