@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+from bench.greedy_loops import ENGINE_ARGS
 from serving.api.server import ApiServer, ServerConfig
 from serving.engine.config import SMALL_ENGINE_ARGS, shared_cache_dir
 
@@ -83,9 +84,9 @@ class BackgroundServer:
 EXACT_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, prefill_buckets=(32, 64),
                          decode_buckets=(2, 4), swa_bounded_replay=False, enable_prompt_logprobs=False)
 # The embedded default model's engine in the tests that generate with it (held-out continuations, forced tool
-# calls): one set of shapes, so the second file's build is a cache hit. 10 lanes, chat prompts with tools fit.
-DEFAULT_MODEL_ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=10, max_num_batched_tokens=256,
-                                 prefill_buckets=(256,), decode_buckets=(10,), enable_prompt_logprobs=False)
+# calls) and in bench/greedy_loops.py, which defines it (bench may not import tests): one set of shapes, so the
+# second file's build is a cache hit. 10 lanes, chat prompts with tools fit.
+DEFAULT_MODEL_ENGINE_ARGS = ENGINE_ARGS
 
 
 # ---------------------------------------------------------------------------------------------- shared test server
