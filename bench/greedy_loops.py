@@ -38,6 +38,7 @@ def longest_run(lines: list[str]) -> int:
 
 
 def runs_of(prefixes, texts) -> list[int]:
+    """Longest run of identical lines of each continuation, counted from the prefix's last (partial) line."""
     return [longest_run([x.rstrip() for x in (p.rsplit("\n", 1)[-1] + t).split("\n")])
             for p, t in zip(prefixes, texts)]
 

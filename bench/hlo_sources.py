@@ -7,7 +7,8 @@ operation it came from (`op_name`, `source_file`, `source_line`). So with `--xla
 kernels, which carry their own names, memcpys, sorts) keep their kernel name as their source.
 
 Where a name occurs in several dumped modules, the largest module (the decode program of bench/profile_decode.py)
-wins. Used by `python -m bench.profile_decode --sources DIR`.
+wins. Used by `python -m bench.profile_decode --sources DIR`; bench/profile_train_step.py maps its kernels to the
+model's named scopes with the same parser (`instruction_metadata`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ class _Frames:
         return out
 
 
-def _source(meta: str, frames: _Frames) -> str:
-    f = {m.group(1): m.group(3) if m.group(3) is not None else m.group(4) for m in _FIELD.finditer(meta)}
+def _fields(meta: str) -> dict[str, str]:
+    return {m.group(1): m.group(3) if m.group(3) is not None else m.group(4) for m in _FIELD.finditer(meta)}
+
+
+def _source(f: dict[str, str], frames: _Frames) -> str:
     op = f.get("op_name", "").rsplit("/", 1)[-1]
     if "source_file" in f:
         return f"{_short_file(f['source_file'])}:{f.get('source_line', '?')} {op}".strip()
@@ -86,20 +90,33 @@ def _source(meta: str, frames: _Frames) -> str:
     return op or "?"
 
 
+def kernel_name(instruction: str) -> str:
+    """The GPU kernel name of an HLO instruction (dots and dashes as underscores)."""
+    return instruction.replace(".", "_").replace("-", "_")
+
+
+def instruction_metadata(lines) -> dict[str, tuple[str, str]]:
+    """One optimized HLO module's text (an iterable of lines) -> {kernel name: (full op_name, source)} of every
+    instruction with metadata (also bench/profile_train_step.py's map from kernels to the model's scopes)."""
+    frames, out = _Frames(), {}
+    for line in lines:
+        if frames.feed(line):
+            continue
+        m = _INSTR.match(line)
+        if m:
+            f = _fields(m.group(2))
+            out[kernel_name(m.group(1))] = (f.get("op_name", ""), _source(f, frames))
+    return out
+
+
 def instruction_sources(dump_dir: str) -> dict[str, str]:
-    """kernel-style name (dots as underscores) -> source of the instruction, over every optimized module of the
-    dump, the largest module's entry winning."""
+    """kernel name -> source of the instruction, over every optimized module of the dump, the largest module's
+    entry winning."""
     files = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")), key=os.path.getsize)
     out: dict[str, str] = {}
     for path in files:  # smallest first: the largest module overwrites
-        frames = _Frames()
         with open(path, errors="replace") as fh:
-            for line in fh:
-                if frames.feed(line):
-                    continue
-                m = _INSTR.match(line)
-                if m:
-                    out[m.group(1).replace(".", "_").replace("-", "_")] = _source(m.group(2), frames)
+            out.update({k: src for k, (_, src) in instruction_metadata(fh).items()})
     return out
 
 

@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 from bench.common import write_result
+from bench.hlo_sources import instruction_metadata, kernel_name
 from bench.profile_decode import device_events
 
-_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{op_name="([^"]*)"')
 # the named scopes of dsv41_jax/model.py and training/objective.py, innermost last
 SCOPES = ("qat_view", "engram", "hc_attn", "attention", "compress", "indexer", "indexer_kl", "core", "hc_ffn", "moe",
           "head", "loss", "optimizer")
@@ -41,13 +41,8 @@ def scope_of(op_name: str) -> str:
 
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
-    """Instruction name (dots and dashes as underscores, as kernel names spell them) -> its scope (scope_of)."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if m:
-            out[m.group(1).replace(".", "_").replace("-", "_")] = scope_of(m.group(2))
-    return out
+    """Kernel name of each instruction (bench/hlo_sources.py) -> its scope (scope_of)."""
+    return {k: scope_of(op) for k, (op, _) in instruction_metadata(hlo_text.splitlines()).items()}
 
 
 def _scope(kernel: str, scopes: dict[str, str]) -> str:
@@ -131,7 +126,7 @@ def main(argv=None):
             json.dump([[k[0], k[1], c, ns, st] for k, (c, ns, st) in agg.items()], f)
     by_kernel, by_scope, by_part = (collections.defaultdict(lambda: [0, 0]) for _ in range(3))
     for name, hlo, ns, _ in events:
-        sc = _scope(hlo.replace(".", "_").replace("-", "_"), scopes) if hlo else "(unmapped)"
+        sc = _scope(kernel_name(hlo), scopes) if hlo else "(unmapped)"
         sc = _scope(name, scopes) if sc == "(unmapped)" else sc
         for key, table in ((name, by_kernel), (sc, by_scope), (sc.split("/")[0].split(" ")[0], by_part)):
             table[key][0] += 1

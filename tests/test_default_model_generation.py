@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.greedy_loops import MAX_RUN, longest_run
+from bench.greedy_loops import MAX_RUN, longest_run, runs_of
 from dsv41_jax.default_model import DIR
 from serving.engine.config import EngineArgs, shared_cache_dir
 from serving.engine.engine import Engine
@@ -52,10 +52,7 @@ def continuations():
 def test_greedy_continuations_do_not_loop(continuations):
     prefixes, texts, n = continuations
     assert all(k > 0 for k in n)
-    runs = []
-    for p, t in zip(prefixes, texts):
-        lines = [x.rstrip() for x in (p.rsplit("\n", 1)[-1] + t).split("\n")]
-        runs.append(longest_run(lines))
+    runs = runs_of(prefixes, texts)
     assert max(runs) <= MAX_RUN, (runs, texts[int(np.argmax(runs))])
 
 
