@@ -35,6 +35,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from dsv41_jax import attention as attn
@@ -191,7 +192,7 @@ def _pallas_grouped_out_proj(cfg, w, o):
     stack, layer = (w.stack, w.index) if isinstance(w, LayerRef) else (w, None)
     w4 = stack.reshape(*stack.shape[:-2], G, cfg.o_lora_rank, din)  # [(L,) G, oL, din]: a free reshape
     rows = o.transpose(2, 0, 1, 3).reshape(G * B * T, din).astype(BF16)
-    y = moe_gemm.grouped_matmul(rows, w4, jnp.full((G,), B * T, jnp.int32), layer=layer)
+    y = moe_gemm.grouped_matmul(rows, w4, np.full((G,), B * T, np.int32), layer=layer)  # sizes known: static
     return y.astype(o.dtype).reshape(G, B, T, -1).transpose(1, 2, 0, 3)
 
 
@@ -262,9 +263,11 @@ def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
             mix.reshape(B, T, -1))
 
 
-def _pallas_hc_coefficients(cfg, m, scale, base):
-    """The Sinkhorn of the mixes in one kernel (the XLA boundary's while loop is ~4 launches per iteration)."""
-    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+def _pallas_hc_coefficients(cfg, m, scale, base, layer=None):
+    """The Sinkhorn of the mixes in one kernel (the XLA boundary's while loop is ~4 launches per iteration);
+    with `layer`, scale / base are the layer stacks, read in place."""
+    return mhc.hc_coefficients(m, scale, base, hc=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                               layer=layer)
 
 
 def _pallas_gate(cfg, p, x):
@@ -535,8 +538,15 @@ def hc_boundary(ex: ExecContext, cfg, res: Residual, w, sub: str):
             return parallel.replicated(ex, lambda r, w_: impl(cfg, r, w_, sub, quantize), res, w)
         return impl(cfg, res, w, sub, quantize)
     p = materialize(w)
+    coefficients, kernel = _coefficients(ex, cfg), _impl(ex, "hc_coefficients")
+    if isinstance(w, LayerRef) and not ex.tp and kernel is not None:
+        # the kernel reads the layer's scale / base rows in place: no slice kernels for them
+        stacks = (w.stack[f"hc_{sub}_scale"], w.stack[f"hc_{sub}_base"], w.index)
+
+        def coefficients(m, _scale, _base, stacks=stacks):
+            return kernel(cfg, m, stacks[0], stacks[1], layer=stacks[2])
     h, x, mix = layers.hc_boundary(cfg, res.h, res.y, res.mix, p[f"hc_{sub}_fn"], p[f"hc_{sub}_scale"],
-                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"], _coefficients(ex, cfg))
+                                   p[f"hc_{sub}_base"], p[f"{sub}_norm"], coefficients)
     return h, x, None, mix
 
 

@@ -63,8 +63,13 @@ def head_dims(bundle) -> dict:
 
 
 def interpret_default() -> bool:
-    """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere."""
-    return jax.default_backend() == "cpu"
+    """Pallas kernels run in interpret mode on CPU (the only mode there) and compiled elsewhere. The platform is
+    the default device's where one is set (`with jax.default_device(d)`: a compile-only GPU device on a host
+    without one lowers the kernels for that GPU, bench/hlo_kernels.py), else the default backend's."""
+    dev = jax.config.jax_default_device
+    if dev is not None and not isinstance(dev, str):
+        return dev.platform == "cpu"
+    return (dev or jax.default_backend()) == "cpu"
 
 
 def last_arrival(counter_ref, index, arrivals: int, interpret: bool):

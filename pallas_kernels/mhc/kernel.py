@@ -8,7 +8,8 @@ Given m = (flatten(X) @ hc_fn^T) * rsqrt(mean(X^2) + eps) ([N, (2+hc)*hc] f32, t
            then (iters - 1) x [row-normalise, column-normalise], each dividing by (sum + hc_eps).
 The XLA version runs the Sinkhorn loop as a while loop: one or more kernel launches per iteration, ~40 per call
 and ~1,600 per decode step of V4.1. Here a program holds a block of rows and does every iteration in
-registers: one launch per call.
+registers: one launch per call. With `layer`, scale and base are the layer stacks ([L, 3], [L, (2+hc)*hc]) and
+the kernel reads row `layer` in place (no per-layer slice kernels before it).
 
 Numerics: the same f32 operations in the same order (row sums and column sums added left to right); XLA may
 order its 4-term reductions differently and lower exp/sigmoid with other instruction sequences, so the contract
@@ -95,8 +96,9 @@ def coefficients(col, s, base, *, hc, iters, eps):
     return pre, post, list(flat)
 
 
-def _kernel(m_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
+def _kernel(layer_ref, m_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc, iters, eps, n_rows, bn):
     r0 = pl.program_id(0) * bn
+    layer = layer_ref[0]
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
     ok = rows < n_rows
 
@@ -104,15 +106,15 @@ def _kernel(m_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc, iter
         # to pick them out of a block (they were most of a small call's time)
         return plt.load(m_ref.at[pl.ds(r0, bn), pl.ds(k, 1)], mask=ok[:, None], other=0.0).reshape(bn)
 
-    pre, post, comb = coefficients(col, [scale_ref[k] for k in range(3)], lambda k: base_ref[k], hc=hc,
-                                   iters=iters, eps=eps)
+    pre, post, comb = coefficients(col, [scale_ref[layer, k] for k in range(3)], lambda k: base_ref[layer, k],
+                                   hc=hc, iters=iters, eps=eps)
     plt.store(pre_ref.at[pl.ds(r0, bn), :], _place(pre, pre_ref.shape[1]), mask=ok[:, None])
     plt.store(post_ref.at[pl.ds(r0, bn), :], _place(post, post_ref.shape[1]), mask=ok[:, None])
     plt.store(comb_ref.at[pl.ds(r0, bn), :], _place(comb, comb_ref.shape[1]), mask=ok[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("hc", "iters", "eps", "interpret", "block_rows"))
-def _pallas(m, scale, base, *, hc, iters, eps, interpret, block_rows):
+def _pallas(m, scale, base, layer, *, hc, iters, eps, interpret, block_rows):
     N, width = m.shape
     bn = block_rows
     hcp = max(hc, 1)
@@ -122,21 +124,25 @@ def _pallas(m, scale, base, *, hc, iters, eps, interpret, block_rows):
     pre, post, comb = pl.pallas_call(
         functools.partial(_kernel, hc=hc, iters=iters, eps=eps, n_rows=N, bn=bn),
         out_shape=out_shapes, grid=(pl.cdiv(N, bn),),
-        in_specs=[any_spec, any_spec, any_spec],
+        in_specs=[any_spec] * 4,
         out_specs=(any_spec, any_spec, any_spec),
         compiler_params=plt.CompilerParams(num_warps=1, num_stages=1), interpret=interpret,
-        name="hc_coefficients")(m.astype(F32), scale.astype(F32), base.astype(F32))
+        name="hc_coefficients")(layer, m.astype(F32), scale.astype(F32), base.astype(F32))
     return pre, post, comb.reshape(N, hc, hc)
 
 
 def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float, interpret: bool | None = None,
-                    block_rows: int = 32):
-    """m [..., (2+hc)*hc] f32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc])."""
+                    block_rows: int = 32, layer=None):
+    """m [..., (2+hc)*hc] f32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc]). scale [3], base
+    [(2+hc)*hc]; or, with `layer` (an int32 scalar), the stacks [L, 3] / [L, (2+hc)*hc], read at that row."""
     if (2 + hc) * hc > WIDTH or hc & (hc - 1):
         raise ValueError(f"hc={hc}: the kernel holds (2+hc)*hc <= {WIDTH} logits and needs hc a power of two")
     lead = m.shape[:-1]
     m2 = m.reshape(-1, m.shape[-1])
     interpret = interpret_default() if interpret is None else interpret
-    pre, post, comb = _pallas(m2, scale, base, hc=hc, iters=iters, eps=float(eps), interpret=interpret,
+    if layer is None:
+        scale, base, layer = scale[None], base[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    pre, post, comb = _pallas(m2, scale, base, layer, hc=hc, iters=iters, eps=float(eps), interpret=interpret,
                               block_rows=block_rows)
     return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)

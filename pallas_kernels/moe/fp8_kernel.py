@@ -158,10 +158,10 @@ def _out(y, blk: MoeBlock):
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def gmm_fp8(xq, sx, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: bool):
+def gmm_fp8(xq, sx, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool):
     M, K = xq.shape
     _, E, N, _ = w.shape
-    n_items, work = meta(group_sizes, M, E, blk)
+    n_items, work = meta(group_sizes, M, E, blk, work)
     S = blk.splits
     shape = (S, N, M) if blk.swap else (S, M, N)
     args = [layer, work, *_x_planes(xq), sx, w, codes, _out_init(shape, F32)]

@@ -1,6 +1,7 @@
 """Active-experts-only grouped GEMMs for the routed MoE: y[rows of expert g] = x[rows] @ dequant(w[g])^T.
 
     grouped_matmul(x [M, K] bf16, w, group_sizes [E] int32, *, scale=None, layer=None) -> [M, N] f32
+        (group_sizes as a numpy array: known when traced, the work list becomes a constant of the program)
     grouped_swiglu(x, w1, w3, group_sizes, route_w [M], *, scale1, scale3, layer=None, limit=0., dtype=bf16)
         -> h [M, N] dtype = silu(g) * u * route_w (g, u = the two GEMMs, rounded to dtype first; MXFP4 only)
 
@@ -56,7 +57,15 @@ from pallas_kernels.gemm.kernel import (
 )
 from pallas_kernels.moe.block_sizes import DECODES, LAYOUTS, W13_MODES, MoeBlock, pick_moe_block
 from pallas_kernels.moe.fp8_kernel import gmm_fp8, swiglu_fp8
-from pallas_kernels.moe.worklist import call, item, max_work_items, meta, swiglu_rows, tile_metadata  # noqa: F401
+from pallas_kernels.moe.worklist import (  # noqa: F401
+    call,
+    item,
+    max_work_items,
+    meta,
+    static_meta,
+    swiglu_rows,
+    tile_metadata,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -190,11 +199,11 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
 
 
 @functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def _gmm_pallas(x, w, codes, group_sizes, layer, *, blk: MoeBlock, interpret: bool):
+def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool):
     M, K = x.shape
     _, E, N, _ = w.shape
     fp4 = codes is not None
-    n_items, work = meta(group_sizes, M, E, blk)
+    n_items, work = meta(group_sizes, M, E, blk, work)
     if fp4 and blk.decode != "e4m3":
         x = permute_k(x, blk)
     args = [layer, work, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
@@ -306,11 +315,12 @@ def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, i
     blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E), x_fp8=fp4 and x_scale is not None)
     check_moe_block(blk, N, K, fp4)
     interpret = interpret_default() if interpret is None else interpret
+    work = static_meta(group_sizes, M, E, blk)  # sizes known now (a numpy array): the list is a constant
     gs = group_sizes.astype(jnp.int32)
     xk = _x_for(blk, x, x_scale)
     if blk.decode == "fp8":
-        return gmm_fp8(*xk, w4, codes, gs, layer_arr, blk=blk, interpret=interpret)
-    return _gmm_pallas(xk, w4, codes, gs, layer_arr, blk=blk, interpret=interpret)
+        return gmm_fp8(*xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret)
+    return _gmm_pallas(xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret)
 
 
 def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,

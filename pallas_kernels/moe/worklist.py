@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -71,9 +72,22 @@ def swiglu_rows(g, u, rw, limit: float, dtype):
     return jax.nn.silu(g) * u * rw  # Pallas Triton lowers the logistic as 1 / (1 + exp(-g))
 
 
-def meta(group_sizes, M: int, E: int, blk):
+def meta(group_sizes, M: int, E: int, blk, work=None):
+    """(n_items, work list); `work`: the list already built (`static_meta`), used as is."""
+    if work is not None:
+        return work.shape[0], work
     n_items = max_work_items(M, E, blk.bm)
     return n_items, tile_metadata(group_sizes, M, blk.bm, n_items)
+
+
+def static_meta(group_sizes, M: int, E: int, blk):
+    """The work list of group sizes known when the program is traced (a numpy array, e.g. WO-A's G groups of B*T
+    rows), built now: a constant of the program instead of a few small kernels per call. None otherwise."""
+    if not isinstance(group_sizes, np.ndarray):
+        return None
+    # built on the host's CPU device (a program traced for a compile-only GPU cannot run ops on it)
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(meta(jnp.asarray(group_sizes, jnp.int32), M, E, blk)[1])
 
 
 def call(kernel, args, out_shape, grid, blk, interpret: bool, name: str):

@@ -44,3 +44,28 @@ def test_lowers_for_the_h200():
     text = lower_for_h200(lambda m, s, b: hc_coefficients(m, s, b, hc=4, iters=20, eps=1e-6, interpret=False),
                           sds((32, 24), jnp.float32), sds((3,), jnp.float32), sds((24,), jnp.float32))
     assert "hc_coefficients" in text or "triton" in text
+
+
+def test_layer_stack_read_in_place():
+    """With `layer`, the kernel reads row `layer` of the scale / base stacks: equal to the sliced call, and a
+    different layer gives different coefficients (the index is not ignored)."""
+    rng = np.random.default_rng(3)
+    m = jnp.asarray(rng.normal(0, 2, (6, 24)), jnp.float32)
+    scales = jnp.asarray(rng.uniform(0.5, 1.0, (5, 3)), jnp.float32)
+    bases = jnp.asarray(rng.normal(0, 0.5, (5, 24)), jnp.float32)
+    for layer in (0, 3):
+        got = jax.jit(lambda m, s, b, l: hc_coefficients(m, s, b, hc=4, iters=20, eps=1e-6, layer=l))(
+            m, scales, bases, jnp.int32(layer))
+        want = layers.hc_coefficients(m, scales[layer], bases[layer], hc=4, iters=20, eps=1e-6)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    other = hc_coefficients(m, scales, bases, hc=4, iters=20, eps=1e-6, layer=jnp.int32(1))
+    assert not np.allclose(np.asarray(other[2]), np.asarray(got[2]))
+
+
+def test_lowers_for_the_h200_with_a_layer_stack():
+    sds = jax.ShapeDtypeStruct
+    text = lower_for_h200(
+        lambda m, s, b, l: hc_coefficients(m, s, b, hc=4, iters=20, eps=1e-6, interpret=False, layer=l),
+        sds((32, 24), jnp.float32), sds((40, 3), jnp.float32), sds((40, 24), jnp.float32), sds((), jnp.int32))
+    assert "hc_coefficients" in text or "triton" in text

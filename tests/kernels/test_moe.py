@@ -252,3 +252,33 @@ def test_grouped_swiglu_fused(data, splits, limit):
     if limit:
         assert np.any(np.abs(ref[:n]) > 0) and np.max(np.asarray(
             ref_grouped_matmul(x, w3, gs, scale=s3))[:n]) > limit  # the clip is exercised
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_static_group_sizes_give_a_constant_work_list(data, fp4):
+    """Group sizes known at trace time (a numpy array, as WO-A's G groups of B*T rows): the same result as traced
+    sizes, and the program builds no work list (no comparisons / sums of the sizes: the list is a constant)."""
+    from pallas_kernels import common
+
+    x, wb, p, s = data
+    w, scale = (p, s) if fp4 else (wb, None)
+    blk = MoeBlock(16, 32, 64)
+
+    def run(g):
+        return jax.jit(lambda x, w, s: grouped_matmul(x, w, g, scale=s, layer=jnp.int32(1), interpret=INTERPRET,
+                                                      block=blk))(x, w, scale)
+
+    want = run(jnp.asarray(GROUPS, jnp.int32))
+    got = run(np.asarray(GROUPS, np.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    wd = dequant_mxfp4(p[1], s[1]) if fp4 else wb[1]
+    check_close(got, ref_grouped_matmul(x, w, jnp.asarray(GROUPS), scale=scale, layer=jnp.int32(1)), x, wd, GROUPS)
+
+    def lowered(g):
+        return common.lower_for_h200(lambda x, w: grouped_matmul(x, w, g, interpret=False, block=blk),
+                                     _sd((M, K), jnp.bfloat16), _sd((E, N, K), jnp.bfloat16))
+
+    traced = common.lower_for_h200(lambda x, w, g: grouped_matmul(x, w, g, interpret=False, block=blk),
+                                   _sd((M, K), jnp.bfloat16), _sd((E, N, K), jnp.bfloat16), _sd((E,), jnp.int32))
+    static = lowered(np.asarray(GROUPS, np.int32))
+    assert "stablehlo.compare" in traced and "stablehlo.compare" not in static
