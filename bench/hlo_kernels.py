@@ -216,6 +216,7 @@ def main(argv=None):
     ap.add_argument("--target", default="h200", help="bench/gpu_targets/<target>.txtpb")
     ap.add_argument("--hlo", default=None, help="count this optimized HLO text file instead of compiling")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--save-hlo", default=None, help="a folder: each compiled program's optimized HLO text goes there")
     ap.add_argument("--note", default="", help="recorded with the result (e.g. what the tree holds)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -228,6 +229,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         if text is None:
             text = decode_program_hlo(a.preset, a.weight_format, impl, B, a.context, a.target)
+            if a.save_hlo:
+                Path(a.save_hlo).mkdir(parents=True, exist_ok=True)
+                (Path(a.save_hlo) / f"decode_{a.preset}_{a.weight_format}_{impl}_b{B}.txt").write_text(text)
         c = count_launches(text)
         total = c.total
         rows.append({"preset": a.preset, "weight_format": a.weight_format, "kernels": impl, "batch": B,
