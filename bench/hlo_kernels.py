@@ -233,13 +233,12 @@ def main(argv=None):
                 Path(a.save_hlo).mkdir(parents=True, exist_ok=True)
                 (Path(a.save_hlo) / f"decode_{a.preset}_{a.weight_format}_{impl}_b{B}.txt").write_text(text)
         c = count_launches(text)
-        total = c.total
         rows.append({"preset": a.preset, "weight_format": a.weight_format, "kernels": impl, "batch": B,
-                     "target": a.target, "launches_per_call": total, "kernel_launches": sum(c.launches.values()),
+                     "target": a.target, "launches_per_call": c.total, "kernel_launches": sum(c.launches.values()),
                      "predicate_copies": c.predicate_copies, "unknown_trip_loops": c.unknown_trip_loops,
                      "conditionals": c.conditionals, "compile_s": round(time.perf_counter() - t0, 1),
                      "by_source": by_source(text, c.launches, a.top)})
-        print(f"{impl} B={B}: {total} launches per call ({c.predicate_copies} predicate copies)",
+        print(f"{impl} B={B}: {c.total} launches per call ({c.predicate_copies} predicate copies)",
               file=sys.stderr, flush=True)
     if a.out:
         from bench.common import device_name, write_result

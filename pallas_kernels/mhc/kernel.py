@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import interpret_default
+from pallas_kernels.gemm.kernel import layer_array
 
 F32 = jnp.float32
 WIDTH = 32  # the (2+hc)*hc = 24 logits padded to a power of two
@@ -140,9 +141,10 @@ def hc_coefficients(m, scale, base, *, hc: int, iters: int, eps: float, interpre
     lead = m.shape[:-1]
     m2 = m.reshape(-1, m.shape[-1])
     interpret = interpret_default() if interpret is None else interpret
-    if layer is None:
-        scale, base, layer = scale[None], base[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    stacked = scale.ndim == 2
+    layer = layer_array(layer, stacked)  # checks that a stack comes with its layer and a row without one
+    if not stacked:
+        scale, base = scale[None], base[None]
     pre, post, comb = _pallas(m2, scale, base, layer, hc=hc, iters=iters, eps=float(eps), interpret=interpret,
                               block_rows=block_rows)
     return pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
