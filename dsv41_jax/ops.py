@@ -131,15 +131,14 @@ def _view(p):
 
 
 def _pallas_linear_f32(cfg, p, x, xq=None):
-    """FP8 weights with the reference's FP8 activations: x goes to the kernel as E4M3 codes + UE8M0 scales (the
-    values act_qdq gives; the FP8 x FP8 kernels read them as they are, the others dequantize them). xq: x already
-    on act_qdq's grid (hc_boundary's output; encoding it again gives the same values)."""
+    """FP8 weights with the reference's FP8 activations: the kernel puts x onto act_qdq's grid as it loads it
+    (`quantize_x`: E4M3 codes + UE8M0 scales, pallas_kernels/act_quant.py), so no XLA kernel quantizes it first.
+    xq: x already on act_qdq's grid (hc_boundary's output; quantizing it again gives the same values)."""
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
     if s is not None and cfg.qdq:
         x2 = (x if xq is None else xq).astype(dt).reshape(-1, x.shape[-1])
-        codes, xs = quant.fp8_encode(x2, 32)
-        y = gemm.matmul(codes, w, scale=s, layer=layer, x_scale=xs)
+        y = gemm.matmul(x2, w, scale=s, layer=layer, quantize_x=True)
     else:
         y = gemm.matmul(layers.act_qdq(cfg, x.astype(dt), p).reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -168,13 +167,11 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
 
     rw = weights.reshape(-1)[order]
     (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
-    if s1 is not None and quantized:  # MXFP4 and FP8 activations: E4M3 codes + scales to the kernels
-        xq, xc = quant.fp8_encode(x.astype(dt), 32)
-        h = moe_gemm.grouped_swiglu(xq[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
-                                    limit=cfg.swiglu_limit, dtype=dt, x_scale=xc[tok])
-        hq, hc = quant.fp8_encode(h, 32)
+    if s1 is not None and quantized:  # MXFP4 and FP8 activations: the kernels quantize their x rows as they load them
+        h = moe_gemm.grouped_swiglu(x.astype(dt)[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
+                                    limit=cfg.swiglu_limit, dtype=dt, quantize_x=True)
         w, s, layer = _view(p["w2"])
-        y = moe_gemm.grouped_matmul(hq, w, sizes, scale=s, layer=layer, x_scale=hc).astype(dt)
+        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True).astype(dt)
         return jnp.zeros((N, D), F32).at[tok].add(y.astype(F32))
     if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel
         h = moe_gemm.grouped_swiglu(xs, w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,

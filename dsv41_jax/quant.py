@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.act_quant import FP8_MAX, encode_blocks, ue8m0_code  # noqa: F401  (the FP8 rule lives there)
+
 F32 = jnp.float32
-FP8_MAX = 448.0
 FP4_MAX = 6.0
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
@@ -34,12 +35,6 @@ _FP4_MID = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 # ----------------------------------------------------------------------------- scales
-def ue8m0_code(ratio):
-    """Code of the smallest power of two >= ratio (ratio > 0, normal f32): exponent + (mantissa != 0)."""
-    bits = jax.lax.bitcast_convert_type(ratio.astype(F32), jnp.int32)
-    return ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-
-
 def e8m0_code_to_f32(code):
     """2^(code-127) as f32 (code 0 -> 2^-127, a subnormal)."""
     code = code.astype(jnp.int32)
@@ -62,12 +57,9 @@ def _blocks(x, block):
 
 # ----------------------------------------------------------------------------- FP8
 def fp8_encode(x, block: int = 32):
-    """-> (E4M3 values [..., n] float8_e4m3fn, UE8M0 scale codes [..., n/block] uint8)."""
-    b = _blocks(x, block)
-    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=-1), 1e-4)
-    code = ue8m0_code(amax * jnp.float32(1.0 / FP8_MAX))
-    scale = e8m0_code_to_f32(code)
-    q = jnp.clip(b / scale[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    """-> (E4M3 values [..., n] float8_e4m3fn, UE8M0 scale codes [..., n/block] uint8); the rule:
+    pallas_kernels/act_quant.py (shared with the GEMM kernels' prologues)."""
+    q, code, _ = encode_blocks(_blocks(x, block))
     return q.reshape(x.shape), code.astype(jnp.uint8)
 
 

@@ -2,6 +2,7 @@
 
     matmul_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] f32, w [L, N, K] e4m3, codes [L, N/32, K/32] uint8,
                layer [1] int32, blk) -> [M, N] f32
+    (sx None: xq is x itself, bf16 / f32, quantised in the kernel as it is loaded: pallas_kernels/act_quant.py)
 
 The weight tile goes to the tensor core as stored (no decode): the block-32 scales of both operands are applied
 to f32 per-block sums (pallas_kernels/fp8dot.py: the x tile is expanded block-diagonally over the MMA's rows).
@@ -22,13 +23,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import fp8dot
+from pallas_kernels import act_quant, fp8dot
 from pallas_kernels.gemm.block_sizes import GemmBlock
 
 F32 = jnp.float32
 
 
-def _kernel(layer_ref, x_ref, sx_ref, w_ref, s_ref, o_ref, *, blk: GemmBlock, ksteps: int, m_rows: int, fast: bool):
+def _kernel(layer_ref, x_ref, *refs, blk: GemmBlock, ksteps: int, m_rows: int, fast: bool, quantize: bool):
+    sx_ref, w_ref, s_ref, o_ref = (None, *refs) if quantize else refs
     R, nb, bn = blk.bm, blk.nb, blk.bn
     ksub = 32 * nb
     nsub = blk.bk // ksub
@@ -45,9 +47,12 @@ def _kernel(layer_ref, x_ref, sx_ref, w_ref, s_ref, o_ref, *, blk: GemmBlock, ks
         for u in range(nsub):
             kb = kb_base + (t * nsub + u) * nb  # first k block of this dot
             k0 = pl.multiple_of(kb * 32, ksub)
-            out.append((plt.load(x_ref.at[pl.ds(m0, R), pl.ds(k0, ksub)], mask=rmask, other=0),
-                        plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
-                        s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb, nb)]))
+            xt = plt.load(x_ref.at[pl.ds(m0, R), pl.ds(k0, ksub)], mask=rmask, other=0)
+            if quantize:  # x's FP8 codes and block multipliers from its bf16 / f32 values, as the model's rule
+                xt, sx = act_quant.quantize_tile(xt)
+            else:
+                sx = plt.load(sx_ref.at[pl.ds(m0, R), pl.ds(kb, nb)], mask=rmask, other=0.0)
+            out.append((xt, sx, s_ref[layer, pl.ds(j * (bn // 32), bn // 32), pl.ds(kb, nb)]))
         return tuple(out)
 
     def step(t, acc, loads):
@@ -80,14 +85,16 @@ def matmul_fp8(xq, sx, w, codes, layer, *, blk: GemmBlock, interpret: bool):
     ksteps = K // blk.bk // blk.splits
     m_tiles = -(-M // blk.bm)
     anyspec = pl.BlockSpec(memory_space=pl.ANY)
+    args = [layer, xq] + ([] if sx is None else [sx]) + [w, codes]
     out = pl.pallas_call(
-        functools.partial(_kernel, blk=blk, ksteps=ksteps, m_rows=M, fast=blk.fast_accum and not interpret),
+        functools.partial(_kernel, blk=blk, ksteps=ksteps, m_rows=M, fast=blk.fast_accum and not interpret,
+                          quantize=sx is None),
         out_shape=jax.ShapeDtypeStruct((blk.splits, m_tiles * blk.bm, N), F32),
         grid=(m_tiles, N // blk.bn, blk.splits),
-        in_specs=[anyspec] * 5,
+        in_specs=[anyspec] * len(args),
         out_specs=pl.BlockSpec((None, blk.bm, blk.bn), lambda i, j, s: (s, i, j)),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         interpret=interpret,
         name="gemm_fp8xfp8",
-    )(layer, xq, sx, w, codes)
+    )(*args)
     return (out[0] if blk.splits == 1 else jnp.sum(out, axis=0))[:M]

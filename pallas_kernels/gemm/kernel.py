@@ -4,7 +4,9 @@
 
 x may come as FP8: E4M3 codes [M, K] (float8_e4m3fn or uint8) with `x_scale` E8M0 codes [M, K/32] (the model's
 quantized activations, dsv41_jax.quant.fp8_encode); x = codes * 2^(x_scale - 127). FP8 weights then run the FP8 x
-FP8 dot of fp8_kernel.py where the block says decode="fp8"; the other paths dequantize x first (exact).
+FP8 dot of fp8_kernel.py where the block says decode="fp8"; the other paths dequantize x first (exact). Or x comes
+raw (bf16 / f32) with `quantize_x`: each program quantizes the x tiles it loads (pallas_kernels/act_quant.py, the
+same rule and values), so the model's FP8 activations cost no XLA kernels (the model's FP8 linears use this).
 
 Weights: bf16, or float8_e4m3fn with one E8M0 scale per 32x32 tile (`scale` [(L,) N/32, K/32], dtype float8_e8m0fnu
 or raw uint8 codes; dsv41_jax.quant.quantize_weight_fp8). A stacked weight is passed whole and the `layer` (an int32
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import act_quant
 from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default  # noqa: F401
 from pallas_kernels.fp8dot import check_fp8_tiles
 from pallas_kernels.fp_decode import e4m3_scaled, fp8_scale_bf16
@@ -99,10 +102,20 @@ def x_codes_f32_scale(xq, x_scale, offset: int = 0):
     return xq, jax.lax.bitcast_convert_type((scale_codes(x_scale).astype(jnp.int32) + offset) << 23, F32)
 
 
-def ref_matmul(x, w, *, scale=None, layer=None, x_scale=None):
+def qdq_x(x):
+    """x [M, K] on the FP8 activation grid (pallas_kernels/act_quant.py), as bf16 (exact): what `quantize_x` does
+    in the kernels, in XLA."""
+    if x.shape[-1] % 32:
+        raise ValueError(f"quantize_x needs K % 32 == 0, got x {x.shape}")
+    return act_quant.qdq_tile(x, BF16)
+
+
+def ref_matmul(x, w, *, scale=None, layer=None, x_scale=None, quantize_x: bool = False):
     """What the model does today: slice the layer, dequantize to bf16, einsum with f32 accumulation."""
     if x_scale is not None:
         x = dequant_x(x, x_scale)
+    if quantize_x:
+        x = qdq_x(x)
     if layer is not None:
         w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
         if scale is not None:
@@ -113,7 +126,7 @@ def ref_matmul(x, w, *, scale=None, layer=None, x_scale=None):
 
 # ----------------------------------------------------------------------------- kernel
 def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8: bool, m_rows: int,
-               interpret: bool):
+               interpret: bool, quantize: bool):
     s_ref, o_ref = rest if fp8 else (None, rest[0])
     bm, bn, bk = blk.bm, blk.bn, blk.bk
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -126,6 +139,8 @@ def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8:
     def body(t, acc):
         k0 = pl.multiple_of(kbase + t * bk, bk)
         xt = plt.load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
+        if quantize:  # x onto the FP8 activation grid as it is loaded (exact in bf16)
+            xt = act_quant.qdq_tile(xt, BF16)
         wt = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], eviction_policy="evict_first")
         if fp8:
             kb0 = s * (ksteps * bk // 32) + t * (bk // 32)  # k0 / 32 without a signed division
@@ -140,8 +155,8 @@ def _mm_kernel(layer_ref, x_ref, w_ref, *rest, blk: GemmBlock, ksteps: int, fp8:
     o_ref[...] = acc.T if blk.swap else acc
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "quantize"))
+def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool, quantize: bool = False):
     M, K = x.shape
     _, N, _ = w.shape
     fp8 = codes is not None
@@ -153,7 +168,8 @@ def _matmul_pallas(x, w, codes, layer, *, blk: GemmBlock, interpret: bool):
     # the output is padded to whole M tiles: jax 0.11.2's Triton lowering does not mask a block that overhangs
     # the array, so an overhanging store would write past the rows (into the next split's partials)
     out = pl.pallas_call(
-        functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M, interpret=interpret),
+        functools.partial(_mm_kernel, blk=blk, ksteps=ksteps, fp8=fp8, m_rows=M, interpret=interpret,
+                          quantize=quantize),
         out_shape=jax.ShapeDtypeStruct((blk.splits, m_tiles * blk.bm, N), F32),
         grid=grid,
         in_specs=[anyspec] * len(args),
@@ -180,11 +196,14 @@ def check_block(blk: GemmBlock, N: int, K: int, fp8: bool):
         raise ValueError(f"block {blk}: decode must be one of {DECODES}")
 
 
-def matmul(x, w, *, scale=None, layer=None, x_scale=None, implementation: str = "pallas", interpret=None,
-           block: GemmBlock | None = None):
-    """y [M, N] f32 = x [M, K] @ dequant(w)^T; see the module docstring."""
+def matmul(x, w, *, scale=None, layer=None, x_scale=None, quantize_x: bool = False, implementation: str = "pallas",
+           interpret=None, block: GemmBlock | None = None):
+    """y [M, N] f32 = x [M, K] @ dequant(w)^T; see the module docstring. quantize_x: x (bf16 / f32) goes onto the
+    FP8 activation grid first (pallas_kernels/act_quant.py), inside the kernel as it is loaded."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
+    if quantize_x and x_scale is not None:
+        raise ValueError("x comes either quantized (x_scale) or to be quantized (quantize_x), not both")
     stacked = w.ndim == 3
     layer_arr = layer_array(layer, stacked)
     fp8 = scale is not None
@@ -193,8 +212,10 @@ def matmul(x, w, *, scale=None, layer=None, x_scale=None, implementation: str = 
     if not fp8 and w.dtype != BF16:
         raise ValueError(f"weights without scale must be bf16, got {w.dtype}")
     if implementation == "xla":
-        return ref_matmul(x, w, scale=scale, layer=layer, x_scale=x_scale)
+        return ref_matmul(x, w, scale=scale, layer=layer, x_scale=x_scale, quantize_x=quantize_x)
     M, K = x.shape
+    if quantize_x and K % 32:
+        raise ValueError(f"quantize_x needs K % 32 == 0, got x {x.shape}")
     if x_scale is not None and (x_scale.shape != (M, K // 32) or K % 32):
         raise ValueError(f"x {x.shape} needs x_scale [M, K/32], got {x_scale.shape}")
     if w.shape[-1] != K:
@@ -208,14 +229,19 @@ def matmul(x, w, *, scale=None, layer=None, x_scale=None, implementation: str = 
         if codes.shape[-2:] != (N // 32, K // 32) or N % 32 or K % 32:
             raise ValueError(f"FP8 weight {w.shape} needs N, K multiples of 32 and scale [.., N/32, K/32]")
     check_offsets(w3, *([codes] if fp8 else []))
-    blk = block or pick_gemm_block(M, N, K, fp8=fp8, x_fp8=x_scale is not None)
+    blk = block or pick_gemm_block(M, N, K, fp8=fp8, x_fp8=x_scale is not None or quantize_x)
     check_block(blk, N, K, fp8)
+    if quantize_x and blk.bk % 32:
+        raise ValueError(f"block {blk}: quantize_x needs bk % 32 == 0 (whole scale blocks per k step)")
     interpret = interpret_default() if interpret is None else interpret
     if blk.decode == "fp8":
+        if quantize_x:
+            return matmul_fp8(x, None, w3, codes, layer_arr, blk=blk, interpret=interpret)
         if x_scale is None:
-            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale")
+            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale, or quantize_x")
         xq, sx = x_codes_f32_scale(x, x_scale)
         return matmul_fp8(xq, sx, w3, codes, layer_arr, blk=blk, interpret=interpret)
     if x_scale is not None:
         x = dequant_x(x, x_scale)
-    return _matmul_pallas(x.astype(BF16), w3, codes, layer_arr, blk=blk, interpret=interpret)
+    x = x if quantize_x else x.astype(BF16)  # quantize_x: the kernel rounds x onto the grid (from f32 if given)
+    return _matmul_pallas(x, w3, codes, layer_arr, blk=blk, interpret=interpret, quantize=quantize_x)

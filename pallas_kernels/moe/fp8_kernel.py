@@ -3,6 +3,7 @@
     gmm_fp8(xq [M, K] uint8 E4M3 codes, sx [M, K/32] f32, w [L, E, N, K/2] uint8, codes [L, E, N, K/32] uint8,
             group_sizes, layer [1], blk) -> [M, N] f32
     swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, blk, limit, dtype) -> h [M, N] dtype
+    (sx None: xq is x itself, bf16 / f32, quantised in the kernel as its planes are loaded: act_quant.py)
 
 A [bn, 16 nb] tile of packed bytes (nb blocks of 32 k per row) becomes two E4M3 planes with ~5 integer ops per 8
 weights (fp_decode.e2m1_e4m3_planes: lo = even k, hi = odd k, each e2m1 * 2^-6, no scale); the x rows of the item
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import fp8dot
+from pallas_kernels import act_quant, fp8dot
 from pallas_kernels.fp_decode import E4M3_FROM_E2M1_LOG2, e2m1_e4m3_planes
 from pallas_kernels.moe.block_sizes import MoeBlock
 from pallas_kernels.moe.worklist import call, item, meta, swiglu_rows
@@ -44,7 +45,7 @@ def _sum_blocks(refs, ws, layer, e, r0, rmask, n0, k_lo, ksteps, blk: MoeBlock, 
     blk.prefetch: the step's small loads (x tiles, x scales, weight scale codes), which Triton's pipeliner leaves
     as plain global loads, are issued one step ahead and carried through the loop, so their latency overlaps the
     current step's decode and dots instead of stalling it."""
-    xe_ref, xo_ref, sx_ref = refs
+    xe_ref, xo_ref, sx_ref = refs  # sx_ref None: x's planes are raw values, quantised here
     R, nb, bn = blk.bm, blk.nb, blk.bn
     cb = 16 * nb  # packed bytes per row of one sub-tile
     nsub = blk.bk // (32 * nb)
@@ -55,10 +56,13 @@ def _sum_blocks(refs, ws, layer, e, r0, rmask, n0, k_lo, ksteps, blk: MoeBlock, 
         for u in range(nsub):
             kb = (k_lo + t) * (blk.bk // 32) + u * nb  # first k block of the sub-tile
             c0 = pl.multiple_of(kb * 16, cb)
-            out.append((plt.load(xe_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
-                        plt.load(xo_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0),
-                        plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0.0),
-                        tuple(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kb, nb)] for _, s_ref in ws)))
+            x_lo = plt.load(xe_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0)
+            x_hi = plt.load(xo_ref.at[pl.ds(r0, R), pl.ds(c0, cb)], mask=rmask, other=0)
+            if sx_ref is None:
+                x_lo, x_hi, sx = act_quant.quantize_planes(x_lo, x_hi)
+            else:
+                sx = plt.load(sx_ref.at[pl.ds(r0, R), pl.ds(kb, nb)], mask=rmask, other=0.0)
+            out.append((x_lo, x_hi, sx, tuple(s_ref[layer, e, pl.ds(n0, bn), pl.ds(kb, nb)] for _, s_ref in ws)))
         return tuple(out)
 
     def step(t, accs, loads):
@@ -99,9 +103,16 @@ def _store(o_ref, idx, val, rmask, blk: MoeBlock):
         plt.store(o_ref.at[(*lead, pl.ds(r0, blk.bm), pl.ds(n0, blk.bn))], val, mask=rmask)
 
 
-def _gmm_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, _, o_ref, *, blk: MoeBlock, ksteps: int,
-                interpret: bool):
-    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
+def _x_refs(refs, quantize: bool):
+    """(x_even, x_odd, sx or None), the rest of the refs."""
+    if quantize:
+        return (refs[0], refs[1], None), refs[2:]
+    return tuple(refs[:3]), refs[3:]
+
+
+def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, interpret: bool, quantize: bool):
+    (xe_ref, xo_ref, sx_ref), (w_ref, s_ref, _, o_ref) = _x_refs(refs, quantize)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk, xe_ref.shape[0])
     sp = pl.program_id(2)
 
     @pl.when(hi > lo)
@@ -111,11 +122,11 @@ def _gmm_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, _, o_
         _store(o_ref, ((sp,), r0, n0), y, rmask, blk)
 
 
-def _swiglu_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
-                   blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
-    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
+def _swiglu_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool,
+                   quantize: bool):
+    xs, (w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref) = _x_refs(refs, quantize)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk, xs[0].shape[0])
     q = pl.program_id(2)
-    xs = (xe_ref, xo_ref, sx_ref)
     if blk.w13 == "grid":  # program q: weight q % 2 (0: w1 -> g, 1: w3 -> u) of split q // 2, into partial q
         sp = q // 2
         for which, ws in ((0, (w1_ref, s1_ref)), (1, (w3_ref, s3_ref))):
@@ -142,9 +153,10 @@ def _swiglu_kernel(layer_ref, meta_ref, xe_ref, xo_ref, sx_ref, w1_ref, s1_ref, 
         _store(o_ref, ((), r0, n0), h.astype(o_ref.dtype), rmask, blk)
 
 
-def _x_planes(xq):
-    """uint8 E4M3 codes [M, K] -> (even k, odd k) [M, K/2] each, the k order of the lo / hi weight planes."""
-    return xq[:, 0::2], xq[:, 1::2]
+def _x_planes(xq, sx):
+    """x [M, K] (uint8 E4M3 codes, or raw values when sx is None) -> [even k, odd k ([M, K/2] each, the k order
+    of the lo / hi weight planes), sx if given]: the kernels' x operands."""
+    return [xq[:, 0::2], xq[:, 1::2]] + ([] if sx is None else [sx])
 
 
 def _out_init(shape, dtype):
@@ -164,8 +176,9 @@ def gmm_fp8(xq, sx, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, i
     n_items, work = meta(group_sizes, M, E, blk, work)
     S = blk.splits
     shape = (S, N, M) if blk.swap else (S, M, N)
-    args = [layer, work, *_x_planes(xq), sx, w, codes, _out_init(shape, F32)]
-    y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // S, interpret=interpret), args,
+    args = [layer, work, *_x_planes(xq, sx), w, codes, _out_init(shape, F32)]
+    y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // S, interpret=interpret,
+                               quantize=sx is None), args,
              jax.ShapeDtypeStruct(shape, F32), (n_items, N // blk.bn, S), blk, interpret, "moe_gmm_fp8")
     return _out(y[0] if S == 1 else jnp.sum(y, axis=0), blk)
 
@@ -180,9 +193,9 @@ def swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeB
     tile = (N, M) if blk.swap else (M, N)
     partials = S > 1 or blk.w13 == "grid"
     out = _out_init((2 * S, *tile), F32) if partials else _out_init(tile, dtype)
-    args = [layer, work, *_x_planes(xq), sx, w1, c1, w3, c3, route_w.astype(F32), out]
+    args = [layer, work, *_x_planes(xq, sx), w1, c1, w3, c3, route_w.astype(F32), out]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
-                               interpret=interpret),
+                               interpret=interpret, quantize=sx is None),
              args, jax.ShapeDtypeStruct(out.shape, out.dtype),
              (n_items, N // blk.bn, 2 * S if blk.w13 == "grid" else S), blk, interpret, "moe_swiglu_fp8")
     if not partials:

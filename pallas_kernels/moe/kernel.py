@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import fp_decode
+from pallas_kernels import act_quant, fp_decode
 from pallas_kernels.common import check_offsets, interpret_default
 from pallas_kernels.fp8dot import check_fp8_tiles
 from pallas_kernels.fp_decode import FP4_ACC_LOG2, e2m1_planes, fp4_scale_bf16
@@ -52,6 +52,7 @@ from pallas_kernels.gemm.kernel import (
     dequant_x,
     expand_tile_scale,
     layer_array,
+    qdq_x,
     scale_codes,
     x_codes_f32_scale,
 )
@@ -136,8 +137,9 @@ def _dot(acc, xt, wt):
 
 
 def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk: MoeBlock, fp4: bool,
-                interpret: bool):
-    """f32 sum over k tiles [k_lo, k_lo + ksteps) of x[rows] . dequant(w[e, n tile])^T: [bm, bn]."""
+                interpret: bool, quantize: bool = False):
+    """f32 sum over k tiles [k_lo, k_lo + ksteps) of x[rows] . dequant(w[e, n tile])^T: [bm, bn]. quantize: the
+    x halves are raw values, put onto the FP8 activation grid here (act_quant; each 32-block spans both halves)."""
     bm, bn, bk = blk.bm, blk.bn, blk.bk
 
     def body(t, acc):
@@ -149,6 +151,8 @@ def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk:
             k0 = pl.multiple_of(kk * bk, bk)
             x_lo = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk // 2)], mask=rmask, other=0.0)
             x_hi = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0 + bk // 2, bk // 2)], mask=rmask, other=0.0)
+            if quantize:
+                x_lo, x_hi = act_quant.qdq_planes(x_lo, x_hi, BF16)
             return _dot(_dot(acc, x_lo, lo), x_hi, hi)
         k0 = pl.multiple_of(kk * bk, bk)
         xt = plt.load(x_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=rmask, other=0.0)
@@ -161,34 +165,37 @@ def _accumulate(x_ref, w_ref, s_ref, layer, e, n0, r0, rmask, k_lo, ksteps, blk:
     return acc
 
 
-def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, fp4: bool, interpret: bool):
+def _gmm_kernel(layer_ref, meta_ref, *refs, blk: MoeBlock, ksteps: int, fp4: bool, interpret: bool,
+                quantize: bool):
     if fp4:
         x_ref, w_ref, s_ref, _, o_ref = refs
     else:
         (x_ref, w_ref, _, o_ref), s_ref = refs, None
-    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk, x_ref.shape[0])
     sp = pl.program_id(2)
 
     @pl.when(hi > lo)
     def _():
         acc = _accumulate(x_ref, w_ref, s_ref, layer_ref[0], e, n0, r0, rmask, sp * ksteps, ksteps, blk, fp4,
-                          interpret)
+                          interpret, quantize)
         plt.store(o_ref.at[sp, pl.ds(r0, blk.bm), pl.ds(n0, blk.bn)], acc, mask=rmask)
 
 
 def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, rw_ref, _, o_ref, *,
-                   blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool):
+                   blk: MoeBlock, ksteps: int, limit: float, dtype, interpret: bool, quantize: bool):
     """w1 and w3 tiles of the same (expert, n tile) in one program; one split: the epilogue applies the SwiGLU
     and the routing weight of each row (layers.swiglu's order: g, u rounded to `dtype` first)."""
-    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk)
+    e, r0, lo, hi, rmask, n0 = item(meta_ref, blk, x_ref.shape[0])
     sp = pl.program_id(2)
     bm, bn = blk.bm, blk.bn
 
     @pl.when(hi > lo)
     def _():
         layer = layer_ref[0]
-        g = _accumulate(x_ref, w1_ref, s1_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
-        u = _accumulate(x_ref, w3_ref, s3_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret)
+        g = _accumulate(x_ref, w1_ref, s1_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret,
+                        quantize)
+        u = _accumulate(x_ref, w3_ref, s3_ref, layer, e, n0, r0, rmask, sp * ksteps, ksteps, blk, True, interpret,
+                        quantize)
         if len(o_ref.shape) == 3:  # split K: f32 partials [2 * split + (0: g, 1: u)], the wrapper finishes
             plt.store(o_ref.at[2 * sp, pl.ds(r0, bm), pl.ds(n0, bn)], g, mask=rmask)
             plt.store(o_ref.at[2 * sp + 1, pl.ds(r0, bm), pl.ds(n0, bn)], u, mask=rmask)
@@ -198,8 +205,8 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
         plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], h.astype(o_ref.dtype), mask=rmask)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "quantize"))
+def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool, quantize: bool = False):
     M, K = x.shape
     _, E, N, _ = w.shape
     fp4 = codes is not None
@@ -208,15 +215,15 @@ def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, in
         x = permute_k(x, blk)
     args = [layer, work, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
     y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // blk.splits, fp4=fp4,
-                               interpret=interpret),
+                               interpret=interpret, quantize=quantize),
              args, jax.ShapeDtypeStruct((blk.splits, M, N), F32), (n_items, N // blk.bn, blk.splits), blk,
              interpret, "moe_gmm_mxfp4" if fp4 else "moe_gmm_bf16")
     return y.reshape(M, N) if blk.splits == 1 else jnp.sum(y, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype"))
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype", "quantize"))
 def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBlock, interpret: bool,
-                   limit: float, dtype):
+                   limit: float, dtype, quantize: bool = False):
     M, K = x.shape
     _, E, N, _ = w1.shape
     n_items, work = meta(group_sizes, M, E, blk)
@@ -224,7 +231,7 @@ def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBl
     out = jnp.zeros((2 * S, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
     args = [layer, work, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
-                               interpret=interpret),
+                               interpret=interpret, quantize=quantize),
              args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
              "moe_swiglu_mxfp4")
     if S == 1:
@@ -289,20 +296,27 @@ def _prepare(x, w, group_sizes, scale, layer, block, fp4_required=False, x_scale
     return M, N, K, E, w4, codes, layer_arr
 
 
-def _x_for(blk: MoeBlock, x, x_scale):
-    """(xq uint8, sx f32 2^(code - 127)) for the FP8 kernels, else x as bf16 (FP8 x dequantized, exactly)."""
+def _x_for(blk: MoeBlock, x, x_scale, quantize_x: bool):
+    """(xq uint8, sx f32 2^(code - 127)) for the FP8 kernels, else x as bf16 (FP8 x dequantized, exactly);
+    quantize_x: x as it is (the kernel quantizes it; sx None for the FP8 kernels)."""
+    if quantize_x:
+        if x_scale is not None:
+            raise ValueError("x comes either quantized (x_scale) or to be quantized (quantize_x), not both")
+        if blk.decode == "e4m3" or x.shape[1] % 32:
+            raise ValueError(f"block {blk}: quantize_x needs K % 32 == 0 and decode 'bf16x2' or 'fp8'")
+        return (x, None) if blk.decode == "fp8" else x
     if blk.decode == "fp8":
         if x_scale is None:
-            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale")
+            raise ValueError("decode 'fp8' needs x as E4M3 codes with x_scale, or quantize_x")
         return x_codes_f32_scale(x, x_scale)
     return (x if x_scale is None else dequant_x(x, x_scale)).astype(BF16)
 
 
-def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, implementation: str = "pallas",
-                   interpret=None, block: MoeBlock | None = None):
+def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, quantize_x: bool = False,
+                   implementation: str = "pallas", interpret=None, block: MoeBlock | None = None):
     """[M, N] f32; see the module docstring. MXFP4 weights in the official layout unless block.layout says
-    tiled (checkpoints/kernel_layout.py). x as FP8 codes with `x_scale` E8M0 codes [M, K/32]: as in
-    pallas_kernels.gemm.matmul (FP8-dot blocks qualify)."""
+    tiled (checkpoints/kernel_layout.py). x as FP8 codes with `x_scale` E8M0 codes [M, K/32], or raw with
+    `quantize_x` (MXFP4 only; the kernel quantizes it): as in pallas_kernels.gemm.matmul (FP8-dot blocks qualify)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
     M, N, K, E, w4, codes, layer_arr = _prepare(x, w, group_sizes, scale, layer, block, x_scale=x_scale)
@@ -310,17 +324,20 @@ def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, i
         if block is not None and block.layout == "tiled":
             raise ValueError("the xla branch reads the official layout")
         x = x if x_scale is None else dequant_x(x, x_scale)
-        return ref_grouped_matmul(x, w, group_sizes, scale=scale, layer=layer)
+        return ref_grouped_matmul(qdq_x(x) if quantize_x else x, w, group_sizes, scale=scale, layer=layer)
     fp4 = codes is not None
-    blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E), x_fp8=fp4 and x_scale is not None)
+    if quantize_x and not fp4:
+        raise ValueError("quantize_x is for MXFP4 experts")
+    x_fp8 = fp4 and (x_scale is not None or quantize_x)
+    blk = block or pick_moe_block(M, N, K, fp4=fp4, active=min(M, E), x_fp8=x_fp8)
     check_moe_block(blk, N, K, fp4)
     interpret = interpret_default() if interpret is None else interpret
     work = static_meta(group_sizes, M, E, blk)  # sizes known now (a numpy array): the list is a constant
     gs = group_sizes.astype(jnp.int32)
-    xk = _x_for(blk, x, x_scale)
+    xk = _x_for(blk, x, x_scale, quantize_x)
     if blk.decode == "fp8":
         return gmm_fp8(*xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret)
-    return _gmm_pallas(xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret)
+    return _gmm_pallas(xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret, quantize=quantize_x)
 
 
 def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
@@ -332,8 +349,8 @@ def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer
 
 
 def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
-                   dtype=BF16, x_scale=None, implementation: str = "pallas", interpret=None,
-                   block: MoeBlock | None = None):
+                   dtype=BF16, x_scale=None, quantize_x: bool = False, implementation: str = "pallas",
+                   interpret=None, block: MoeBlock | None = None):
     """h [M, N] dtype = (silu(g) * u) * route_w[:, None] with g, u = x @ dequant(w1 / w3)[expert of row]^T
     (MXFP4 experts, both GEMMs and the activation in one kernel; rows sorted by expert as in grouped_matmul;
     `limit` = the model's swiglu_limit, 0 for none). Padding rows come back 0."""
@@ -345,16 +362,17 @@ def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=Non
         raise ValueError(f"w1 {w1.shape} / w3 {w3.shape} / route_w {route_w.shape} disagree")
     if implementation == "xla":
         x = x if x_scale is None else dequant_x(x, x_scale)
-        return ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, scale1=scale1, scale3=scale3, layer=layer,
-                                  limit=limit, dtype=dtype)
-    blk = block or pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=True, x_fp8=x_scale is not None)
+        return ref_grouped_swiglu(qdq_x(x) if quantize_x else x, w1, w3, group_sizes, route_w, scale1=scale1,
+                                  scale3=scale3, layer=layer, limit=limit, dtype=dtype)
+    blk = block or pick_moe_block(M, N, K, fp4=True, active=min(M, E), fused=True,
+                                  x_fp8=x_scale is not None or quantize_x)
     check_moe_block(blk, N, K, True)
     if blk.decode == "e4m3":
         raise ValueError("grouped_swiglu decodes with fp_decode (decode='bf16x2') or FP8 dots (decode='fp8')")
     interpret = interpret_default() if interpret is None else interpret
     kw = dict(blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype))
     gs = group_sizes.astype(jnp.int32)
-    xk = _x_for(blk, x, x_scale)
+    xk = _x_for(blk, x, x_scale, quantize_x)
     if blk.decode == "fp8":
         return swiglu_fp8(*xk, w1_4, c1, w3_4, c3, gs, route_w, layer_arr, **kw)
-    return _swiglu_pallas(xk, w1_4, c1, w3_4, c3, gs, route_w, layer_arr, **kw)
+    return _swiglu_pallas(xk, w1_4, c1, w3_4, c3, gs, route_w, layer_arr, quantize=quantize_x, **kw)

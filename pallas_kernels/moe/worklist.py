@@ -3,6 +3,10 @@ the work list of active (expert, row tile) items, a program's item, the SwiGLU e
 
 Work list: `tile_metadata` (jnp, from group_sizes) lists the (expert, row tile) pairs of the *active* experts,
 padded to a static length with empty entries; a program of an empty entry exits before touching any weight.
+A kernel's `meta` operand is either that list [n_items, 4] (built at trace time when the sizes are known:
+`static_meta`) or the group sizes themselves, zero-padded to a power of two [Ep] (`meta`): each program then derives
+its own entry from them (`item`, the same arithmetic as tile_metadata, on a few hundred integers), so routing costs
+no separate kernels to build the list.
 A row tile that does not start at a multiple of bm is shifted down to stay inside x (rows outside the item's range
 are masked at the loads and at the store); each output row is stored by exactly one program per (N tile, split),
 into a zero-initialised aliased buffer.
@@ -55,12 +59,37 @@ def tile_metadata(group_sizes, M: int, bm: int, n_items: int):
     return jnp.stack([e, r0, lo, hi], axis=1).astype(jnp.int32)
 
 
-def item(meta_ref, blk):
-    """(expert, r0, lo, hi, mask of the rows [r0, r0 + bm) the item owns [bm, 1], first column of the N tile)."""
+def item(meta_ref, blk, m_rows: int):
+    """(expert, r0, lo, hi, mask of the rows [r0, r0 + bm) the item owns [bm, 1], first column of the N tile) of
+    this program's work item: read from the work list [n_items, 4], or derived from the padded sizes [Ep]."""
     t, j = pl.program_id(0), pl.program_id(1)
-    e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
+    if len(meta_ref.shape) == 2:
+        e, r0, lo, hi = (meta_ref[t, f] for f in range(META_FIELDS))
+    else:
+        e, r0, lo, hi = _item_from_sizes(meta_ref[...], t, m_rows, blk.bm)
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (blk.bm, 1), 0)
     return e, r0, lo, hi, (rows >= lo) & (rows < hi), pl.multiple_of(j * blk.bn, blk.bn)
+
+
+def _item_from_sizes(sizes, t, M: int, bm: int):
+    """Entry t of tile_metadata(sizes, M, bm, ...) as four int32 scalars, by the same arithmetic: prefix sums
+    (jnp.cumsum, which Pallas Triton lowers to a scan), a count for the search, one-hot sums for the gathers."""
+    sizes = jnp.maximum(sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), M)
+    starts = jnp.minimum(ends - sizes, M)
+    tiles = (ends - starts + bm - 1) // bm
+    tend = jnp.cumsum(tiles)
+    e = jnp.minimum(jnp.sum((tend <= t).astype(jnp.int32)), sizes.shape[0] - 1)  # searchsorted(side="right")
+    hot = jax.lax.broadcasted_iota(jnp.int32, sizes.shape, 0) == e
+
+    def at_e(v):
+        return jnp.sum(jnp.where(hot, v, 0))
+
+    valid = t < jnp.max(tend)
+    lo = at_e(starts) + (t - (at_e(tend) - at_e(tiles))) * bm
+    hi = jnp.minimum(lo + bm, at_e(ends))
+    lo, hi, e = (jnp.where(valid, v, 0) for v in (lo, hi, e))
+    return e, jnp.maximum(jnp.minimum(lo, M - bm), 0), lo, hi
 
 
 def swiglu_rows(g, u, rw, limit: float, dtype):
@@ -73,11 +102,14 @@ def swiglu_rows(g, u, rw, limit: float, dtype):
 
 
 def meta(group_sizes, M: int, E: int, blk, work=None):
-    """(n_items, work list); `work`: the list already built (`static_meta`), used as is."""
+    """(n_items, the kernels' `meta` operand): `work` (the list already built, `static_meta`) as is, else the group
+    sizes zero-padded to a power of two (Triton's vectors), from which each program derives its item."""
+    n_items = max_work_items(M, E, blk.bm) if work is None else work.shape[0]
     if work is not None:
-        return work.shape[0], work
-    n_items = max_work_items(M, E, blk.bm)
-    return n_items, tile_metadata(group_sizes, M, blk.bm, n_items)
+        return n_items, work
+    ep = 1 << max(0, (E - 1).bit_length())
+    sizes = group_sizes.astype(jnp.int32)
+    return n_items, sizes if ep == E else jnp.pad(sizes, (0, ep - E))
 
 
 def static_meta(group_sizes, M: int, E: int, blk):
@@ -87,7 +119,8 @@ def static_meta(group_sizes, M: int, E: int, blk):
         return None
     # built on the host's CPU device (a program traced for a compile-only GPU cannot run ops on it)
     with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
-        return np.asarray(meta(jnp.asarray(group_sizes, jnp.int32), M, E, blk)[1])
+        gs = jnp.asarray(group_sizes, jnp.int32)
+        return np.asarray(tile_metadata(gs, M, blk.bm, max_work_items(M, E, blk.bm)))
 
 
 def call(kernel, args, out_shape, grid, blk, interpret: bool, name: str):

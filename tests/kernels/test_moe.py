@@ -106,6 +106,40 @@ def test_inactive_experts_never_read(data, fp4):
     assert not np.all(np.isfinite(np.asarray(ref_grouped_matmul(x, group_sizes=gs, **poisoned))))
 
 
+def test_items_derived_in_kernel_equal_the_work_list():
+    """Each program's entry derived from the padded sizes (worklist._item_from_sizes, what the kernels do when the
+    sizes are traced) equals tile_metadata's row, for random sizes (padding rows, empty experts, M < bm), in a
+    Pallas kernel (interpret mode on CPU) and through the H200 lowering."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels import common
+    from pallas_kernels.moe import worklist
+
+    def derive(sizes, m, bm, n_items, interpret):
+        def kern(s_ref, o_ref):
+            fields = worklist._item_from_sizes(s_ref[...], pl.program_id(0), m, bm)
+            col = jax.lax.broadcasted_iota(jnp.int32, (1, 4), 1)
+            o_ref[...] = sum(jnp.where(col == f, v, 0) for f, v in enumerate(fields))
+        return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((n_items, 4), jnp.int32), grid=(n_items,),
+                              in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                              out_specs=pl.BlockSpec((1, 4), lambda t: (t, 0)), interpret=interpret)(sizes)
+
+    rng = np.random.default_rng(5)
+    for trial in range(12):
+        n_e, m, bm = (10, 150, 16), (16, 40, 32), (5, 3, 16)
+        n_e, m, bm = (n_e, m, bm)[trial % 3]
+        sizes = rng.integers(0, 30, n_e) * (rng.random(n_e) < 0.6)
+        sizes = np.minimum(sizes, m // max(1, n_e // 2))
+        n_items = max_work_items(m, n_e, bm)
+        _, padded = worklist.meta(jnp.asarray(sizes, jnp.int32), m, n_e, MoeBlock(bm, 32, 64))
+        assert padded.shape[0] & (padded.shape[0] - 1) == 0 and padded.shape[0] >= n_e
+        want = np.asarray(tile_metadata(jnp.asarray(sizes, jnp.int32), m, bm, n_items))
+        got = np.asarray(derive(padded, m, bm, n_items, True))
+        np.testing.assert_array_equal(got, want, err_msg=f"sizes={sizes} m={m} bm={bm}")
+    text = common.lower_for_h200(lambda s: derive(s, 48, 16, 19, False), jax.ShapeDtypeStruct((16,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text
+
+
 def test_work_list_covers_active_rows_once():
     rng = np.random.default_rng(3)
     n_e, m = 10, 150
@@ -257,7 +291,8 @@ def test_grouped_swiglu_fused(data, splits, limit):
 @pytest.mark.parametrize("fp4", [False, True])
 def test_static_group_sizes_give_a_constant_work_list(data, fp4):
     """Group sizes known at trace time (a numpy array, as WO-A's G groups of B*T rows): the same result as traced
-    sizes, and the program builds no work list (no comparisons / sums of the sizes: the list is a constant)."""
+    sizes, and the work list is a constant of the program; traced sizes go to the kernel as they are (each program
+    derives its item): neither builds the list in XLA (no comparisons / sums of the sizes outside the kernel)."""
     from pallas_kernels import common
 
     x, wb, p, s = data
@@ -281,4 +316,6 @@ def test_static_group_sizes_give_a_constant_work_list(data, fp4):
     traced = common.lower_for_h200(lambda x, w, g: grouped_matmul(x, w, g, interpret=False, block=blk),
                                    _sd((M, K), jnp.bfloat16), _sd((E, N, K), jnp.bfloat16), _sd((E,), jnp.int32))
     static = lowered(np.asarray(GROUPS, np.int32))
-    assert "stablehlo.compare" in traced and "stablehlo.compare" not in static
+    assert "stablehlo.compare" not in traced and "stablehlo.compare" not in static
+    table = f"tensor<{max_work_items(M, E, blk.bm)}x4xi32>"
+    assert table in static and table not in traced
