@@ -168,10 +168,12 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
     rw = weights.reshape(-1)[order]
     (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
     if s1 is not None and quantized:  # MXFP4 and FP8 activations: the kernels quantize their x rows as they load them
+        # every one of the N * k rows is routed (sizes = bincount of all of them): no zeroed output buffers
         h = moe_gemm.grouped_swiglu(x.astype(dt)[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
-                                    limit=cfg.swiglu_limit, dtype=dt, quantize_x=True)
+                                    limit=cfg.swiglu_limit, dtype=dt, quantize_x=True, all_rows_routed=True)
         w, s, layer = _view(p["w2"])
-        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True).astype(dt)
+        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True,
+                                    all_rows_routed=True).astype(dt)
         return jnp.zeros((N, D), F32).at[tok].add(y.astype(F32))
     if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel
         h = moe_gemm.grouped_swiglu(xs, w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,

@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import act_quant, fp8dot
 from pallas_kernels.fp_decode import E4M3_FROM_E2M1_LOG2, e2m1_e4m3_planes
 from pallas_kernels.moe.block_sizes import MoeBlock
-from pallas_kernels.moe.worklist import call, item, meta, swiglu_rows
+from pallas_kernels.moe.worklist import call, item, meta, out_buffer, swiglu_rows
 
 F32 = jnp.float32
 
@@ -169,34 +169,34 @@ def _out(y, blk: MoeBlock):
     return jnp.swapaxes(y, -1, -2) if blk.swap else y
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret"))
-def gmm_fp8(xq, sx, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "owned"))
+def gmm_fp8(xq, sx, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool, owned: bool = False):
     M, K = xq.shape
     _, E, N, _ = w.shape
     n_items, work = meta(group_sizes, M, E, blk, work)
     S = blk.splits
     shape = (S, N, M) if blk.swap else (S, M, N)
-    args = [layer, work, *_x_planes(xq, sx), w, codes, _out_init(shape, F32)]
+    args = [layer, work, *_x_planes(xq, sx), w, codes, out_buffer(shape, F32, owned, _out_init)]
     y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // S, interpret=interpret,
                                quantize=sx is None), args,
              jax.ShapeDtypeStruct(shape, F32), (n_items, N // blk.bn, S), blk, interpret, "moe_gmm_fp8")
     return _out(y[0] if S == 1 else jnp.sum(y, axis=0), blk)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype"))
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype", "owned"))
 def swiglu_fp8(xq, sx, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBlock, interpret: bool,
-               limit: float, dtype):
+               limit: float, dtype, owned: bool = False):
     M, K = xq.shape
     _, E, N, _ = w1.shape
     n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
     tile = (N, M) if blk.swap else (M, N)
     partials = S > 1 or blk.w13 == "grid"
-    out = _out_init((2 * S, *tile), F32) if partials else _out_init(tile, dtype)
-    args = [layer, work, *_x_planes(xq, sx), w1, c1, w3, c3, route_w.astype(F32), out]
+    out = ((2 * S, *tile), F32) if partials else (tile, dtype)
+    args = [layer, work, *_x_planes(xq, sx), w1, c1, w3, c3, route_w.astype(F32), out_buffer(*out, owned, _out_init)]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
                                interpret=interpret, quantize=sx is None),
-             args, jax.ShapeDtypeStruct(out.shape, out.dtype),
+             args, jax.ShapeDtypeStruct(*out),
              (n_items, N // blk.bn, 2 * S if blk.w13 == "grid" else S), blk, interpret, "moe_swiglu_fp8")
     if not partials:
         return _out(y, blk)

@@ -40,6 +40,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -63,6 +64,7 @@ from pallas_kernels.moe.worklist import (  # noqa: F401
     item,
     max_work_items,
     meta,
+    out_buffer,
     static_meta,
     swiglu_rows,
     tile_metadata,
@@ -205,15 +207,16 @@ def _swiglu_kernel(layer_ref, meta_ref, x_ref, w1_ref, s1_ref, w3_ref, s3_ref, r
         plt.store(o_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], h.astype(o_ref.dtype), mask=rmask)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret", "quantize"))
-def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool, quantize: bool = False):
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "quantize", "owned"))
+def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, interpret: bool, quantize: bool = False,
+                owned: bool = False):
     M, K = x.shape
     _, E, N, _ = w.shape
     fp4 = codes is not None
     n_items, work = meta(group_sizes, M, E, blk, work)
     if fp4 and blk.decode != "e4m3":
         x = permute_k(x, blk)
-    args = [layer, work, x, w] + ([codes] if fp4 else []) + [jnp.zeros((blk.splits, M, N), F32)]
+    args = [layer, work, x, w] + ([codes] if fp4 else []) + [out_buffer((blk.splits, M, N), F32, owned)]
     y = call(functools.partial(_gmm_kernel, blk=blk, ksteps=K // blk.bk // blk.splits, fp4=fp4,
                                interpret=interpret, quantize=quantize),
              args, jax.ShapeDtypeStruct((blk.splits, M, N), F32), (n_items, N // blk.bn, blk.splits), blk,
@@ -221,19 +224,18 @@ def _gmm_pallas(x, w, codes, group_sizes, layer, work=None, *, blk: MoeBlock, in
     return y.reshape(M, N) if blk.splits == 1 else jnp.sum(y, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype", "quantize"))
+@functools.partial(jax.jit, static_argnames=("blk", "interpret", "limit", "dtype", "quantize", "owned"))
 def _swiglu_pallas(x, w1, c1, w3, c3, group_sizes, route_w, layer, *, blk: MoeBlock, interpret: bool,
-                   limit: float, dtype, quantize: bool = False):
+                   limit: float, dtype, quantize: bool = False, owned: bool = False):
     M, K = x.shape
     _, E, N, _ = w1.shape
     n_items, work = meta(group_sizes, M, E, blk)
     S = blk.splits
-    out = jnp.zeros((2 * S, M, N), F32) if S > 1 else jnp.zeros((M, N), dtype)
-    args = [layer, work, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out]
+    out = ((2 * S, M, N), F32) if S > 1 else ((M, N), dtype)
+    args = [layer, work, permute_k(x, blk), w1, c1, w3, c3, route_w.astype(F32), out_buffer(*out, owned)]
     y = call(functools.partial(_swiglu_kernel, blk=blk, ksteps=K // blk.bk // S, limit=limit, dtype=dtype,
                                interpret=interpret, quantize=quantize),
-             args, jax.ShapeDtypeStruct(out.shape, out.dtype), (n_items, N // blk.bn, S), blk, interpret,
-             "moe_swiglu_mxfp4")
+             args, jax.ShapeDtypeStruct(*out), (n_items, N // blk.bn, S), blk, interpret, "moe_swiglu_mxfp4")
     if S == 1:
         return y
     gu = jnp.sum(y.reshape(S, 2, M, N), axis=0)
@@ -312,11 +314,21 @@ def _x_for(blk: MoeBlock, x, x_scale, quantize_x: bool):
     return (x if x_scale is None else dequant_x(x, x_scale)).astype(BF16)
 
 
+def _owned(group_sizes, M: int, all_rows_routed: bool) -> bool:
+    """Whether every row belongs to a group (sum(group_sizes) == M): the caller says so (e.g. the N * k routed rows
+    of a MoE layer), or the sizes are known now. Then the kernels write every output row and need no zeros."""
+    if isinstance(group_sizes, np.ndarray):
+        return int(group_sizes.sum()) == M
+    return all_rows_routed
+
+
 def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, quantize_x: bool = False,
-                   implementation: str = "pallas", interpret=None, block: MoeBlock | None = None):
+                   all_rows_routed: bool = False, implementation: str = "pallas", interpret=None,
+                   block: MoeBlock | None = None):
     """[M, N] f32; see the module docstring. MXFP4 weights in the official layout unless block.layout says
     tiled (checkpoints/kernel_layout.py). x as FP8 codes with `x_scale` E8M0 codes [M, K/32], or raw with
-    `quantize_x` (MXFP4 only; the kernel quantizes it): as in pallas_kernels.gemm.matmul (FP8-dot blocks qualify)."""
+    `quantize_x` (MXFP4 only; the kernel quantizes it): as in pallas_kernels.gemm.matmul (FP8-dot blocks qualify).
+    all_rows_routed: the caller guarantees sum(group_sizes) == M (no padding rows; else their rows are garbage)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
     M, N, K, E, w4, codes, layer_arr = _prepare(x, w, group_sizes, scale, layer, block, x_scale=x_scale)
@@ -335,9 +347,11 @@ def grouped_matmul(x, w, group_sizes, *, scale=None, layer=None, x_scale=None, q
     work = static_meta(group_sizes, M, E, blk)  # sizes known now (a numpy array): the list is a constant
     gs = group_sizes.astype(jnp.int32)
     xk = _x_for(blk, x, x_scale, quantize_x)
+    owned = _owned(group_sizes, M, all_rows_routed)
     if blk.decode == "fp8":
-        return gmm_fp8(*xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret)
-    return _gmm_pallas(xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret, quantize=quantize_x)
+        return gmm_fp8(*xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret, owned=owned)
+    return _gmm_pallas(xk, w4, codes, gs, layer_arr, work, blk=blk, interpret=interpret, quantize=quantize_x,
+                       owned=owned)
 
 
 def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
@@ -349,11 +363,11 @@ def ref_grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer
 
 
 def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=None, limit: float = 0.0,
-                   dtype=BF16, x_scale=None, quantize_x: bool = False, implementation: str = "pallas",
-                   interpret=None, block: MoeBlock | None = None):
+                   dtype=BF16, x_scale=None, quantize_x: bool = False, all_rows_routed: bool = False,
+                   implementation: str = "pallas", interpret=None, block: MoeBlock | None = None):
     """h [M, N] dtype = (silu(g) * u) * route_w[:, None] with g, u = x @ dequant(w1 / w3)[expert of row]^T
     (MXFP4 experts, both GEMMs and the activation in one kernel; rows sorted by expert as in grouped_matmul;
-    `limit` = the model's swiglu_limit, 0 for none). Padding rows come back 0."""
+    `limit` = the model's swiglu_limit, 0 for none). Padding rows come back 0 (all_rows_routed: as grouped_matmul)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}")
     M, N, K, E, w1_4, c1, layer_arr = _prepare(x, w1, group_sizes, scale1, layer, block, True, x_scale)
@@ -370,7 +384,8 @@ def grouped_swiglu(x, w1, w3, group_sizes, route_w, *, scale1, scale3, layer=Non
     if blk.decode == "e4m3":
         raise ValueError("grouped_swiglu decodes with fp_decode (decode='bf16x2') or FP8 dots (decode='fp8')")
     interpret = interpret_default() if interpret is None else interpret
-    kw = dict(blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype))
+    kw = dict(blk=blk, interpret=interpret, limit=float(limit), dtype=jnp.dtype(dtype),
+              owned=_owned(group_sizes, M, all_rows_routed))
     gs = group_sizes.astype(jnp.int32)
     xk = _x_for(blk, x, x_scale, quantize_x)
     if blk.decode == "fp8":

@@ -123,11 +123,28 @@ def static_meta(group_sizes, M: int, E: int, blk):
         return np.asarray(tile_metadata(gs, M, blk.bm, max_work_items(M, E, blk.bm)))
 
 
+def out_buffer(shape, dtype, owned: bool, init=None):
+    """The kernels' output operand: None when every row is owned by a work item (`owned`: sum(group_sizes) == M,
+    e.g. all N * k routed rows), so the kernels write every element and the pallas_call allocates the buffer; else
+    zeros (`init`, a seam the tests poison), aliased, so rows no item owns (padding) read 0."""
+    if owned:
+        return None
+    return (init or jnp.zeros)(shape, dtype)
+
+
 def call(kernel, args, out_shape, grid, blk, interpret: bool, name: str):
-    """pallas_call over raw refs; the last argument is the zero-initialised output buffer, aliased."""
+    """pallas_call over raw refs; the last argument is the output buffer (`out_buffer`): zero-initialised and
+    aliased, or None (the kernel's ref for it is then None too, and the output is the call's own)."""
     anyspec = pl.BlockSpec(memory_space=pl.ANY)
+    aliases = {len(args) - 1: 0}
+    if args[-1] is None:
+        args, aliases = args[:-1], {}
+        body = kernel
+
+        def kernel(*refs):
+            return body(*refs[:-1], None, refs[-1])
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=[anyspec] * len(args), out_specs=anyspec,
-        input_output_aliases={len(args) - 1: 0},
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         interpret=interpret, name=name)(*args)

@@ -144,3 +144,36 @@ def test_moe_quantize_x_lowers_for_h200():
             sd((), jnp.int32)]
     text = common.lower_for_h200(fn, *args)
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("blk", MOE_BLOCKS + [MoeBlock(2, 32, 256, decode="fp8", nb=8, w13="grid")])
+def test_all_rows_routed_needs_no_zeroed_output(experts, blk):
+    """Sizes summing to M (every row routed, as the model's N * k rows): with all_rows_routed the kernels get no
+    zeroed buffer (the pallas_call's own output, which interpret mode fills with garbage) and must write every
+    element; the result equals the zero-initialised path's, and the lowered program has no zero broadcast."""
+    p, s, _ = experts
+    groups = np.asarray(GROUPS) + np.asarray([1, 0, 1, 1, 0, 1, 0, 0])  # 40 rows = M: no padding
+    assert groups.sum() == M
+    gs = jnp.asarray(groups, jnp.int32)
+    x = raw_rows(jax.random.key(9), M, K)
+    rw = jax.random.uniform(jax.random.key(5), (M,), jnp.float32, 0.05, 1.0)
+    for routed in (False, True):
+        kw = dict(quantize_x=True, block=blk, interpret=INTERPRET, all_rows_routed=routed)
+        y = grouped_matmul(x, p[1], gs, scale=s[1], **kw) if blk.w13 == "joint" else None
+        h = grouped_swiglu(x, p[0], p[1], gs, rw, scale1=s[0], scale3=s[1], limit=1.5, **kw)
+        if not routed:
+            y0, h0 = y, h
+    if y is not None:
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h0, np.float32))
+
+
+def test_all_rows_routed_lowers_without_zeros():
+    sd = jax.ShapeDtypeStruct
+    gs = sd((16,), jnp.int32)
+    for routed in (False, True):
+        text = common.lower_for_h200(
+            lambda x, w, s, g: grouped_matmul(x, w, g, scale=s, quantize_x=True, all_rows_routed=routed,  # noqa: B023
+                                              interpret=False),
+            sd((6, 2304), jnp.bfloat16), sd((16, 5120, 1152), jnp.uint8), sd((16, 5120, 72), jnp.uint8), gs)
+        assert ("stablehlo.constant dense<0.000000e+00>" in text) != routed
