@@ -25,7 +25,8 @@ x_hi . hi^T. decode "e4m3" is the first decoder (nibbles re-placed as e4m3 bytes
 into even / odd columns), kept as the benchmark baseline.
 
 decode "fp8" (fp8_kernel.py): MXFP4 decoded to E4M3 planes and FP8 x FP8 dots with block-scaled f32 sums, x as
-FP8 codes (the model's experts get FP8 activations).
+FP8 codes (the model's experts get FP8 activations). `quantize_x`: x comes raw and every program quantizes the x
+tiles it loads (pallas_kernels/act_quant.py), for both decoders; the model's experts use this.
 
 Numerics contract (grouped_matmul; "fp8": pallas_kernels/fp8dot.py): products exact, f32 accumulation; only the
 summation order differs from `ref_grouped_matmul` (the "xla" branch: dequantize all experts,
