@@ -168,13 +168,14 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
     rw = weights.reshape(-1)[order]
     (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
     if s1 is not None and quantized:  # MXFP4 and FP8 activations: the kernels quantize their x rows as they load them
-        # every one of the N * k rows is routed (sizes = bincount of all of them): no zeroed output buffers
+        # no zeroed output buffers (all_rows_routed): rows past sum(sizes) (expert ids out of range, as DEP's
+        # padding rows) come back undefined, and the select below drops them (it fuses into the scatter-add)
         h = moe_gemm.grouped_swiglu(x.astype(dt)[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
                                     limit=cfg.swiglu_limit, dtype=dt, quantize_x=True, all_rows_routed=True)
         w, s, layer = _view(p["w2"])
-        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True,
-                                    all_rows_routed=True).astype(dt)
-        return jnp.zeros((N, D), F32).at[tok].add(y.astype(F32))
+        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True, all_rows_routed=True)
+        routed = jnp.arange(y.shape[0])[:, None] < jnp.sum(sizes)
+        return jnp.zeros((N, D), F32).at[tok].add(jnp.where(routed, y.astype(dt).astype(F32), 0.0))
     if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel
         h = moe_gemm.grouped_swiglu(xs, w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
                                     limit=cfg.swiglu_limit, dtype=dt)

@@ -200,6 +200,13 @@ def test_ops_seam_with_fp8_blocks(monkeypatch):
     assert np.all(np.isfinite(y)) and np.abs(ref).max() > 0.01
     assert np.linalg.norm(y - ref) <= 2e-2 * np.linalg.norm(ref)
     assert np.mean(np.abs(y - ref) <= 2 ** -7 * np.abs(ref) + 1e-6) > 0.9
+    # expert ids out of range (DEP's padding rows) route nowhere: their rows are left undefined by the kernels (no
+    # zeroed buffers; NaN in interpret mode) and must not reach any token
+    idx_pad = idx.at[7:].set(e).at[3, 1].set(e)
+    y, ref = (np.asarray(f(cfg, p, x, wts, idx_pad), np.float64) for f in
+              (lambda *a: ops.routed_experts(pal, *a), layers.routed_experts))
+    assert np.all(np.isfinite(y)) and np.all(ref[7:] == 0) and np.all(y[7:] == 0)
+    assert np.linalg.norm(y - ref) <= 2e-2 * np.linalg.norm(ref)
 
 
 def _sd(shape, dtype):
