@@ -130,15 +130,27 @@ def _view(p):
     return p["weight"], p.get("scale"), None
 
 
+# FP8 activations of at most this many tokens are quantised inside the GEMM kernels (`quantize_x`: no XLA kernels
+# for it, the decode case); larger inputs (prefill, large batches) are quantised once by XLA and passed as codes,
+# because every N tile of a kernel repeats the quantisation of the x tiles it loads (N / bn = 36-512 times).
+# Not yet tuned on a GPU: the launches it saves were counted (docs/BENCHMARKS.md), the element work it adds not timed.
+QUANTIZE_X_MAX_TOKENS = 8
+
+
 def _pallas_linear_f32(cfg, p, x, xq=None):
-    """FP8 weights with the reference's FP8 activations: the kernel puts x onto act_qdq's grid as it loads it
-    (`quantize_x`: E4M3 codes + UE8M0 scales, pallas_kernels/act_quant.py), so no XLA kernel quantizes it first.
-    xq: x already on act_qdq's grid (hc_boundary's output; quantizing it again gives the same values)."""
+    """FP8 weights with the reference's FP8 activations: up to QUANTIZE_X_MAX_TOKENS rows the kernel puts x onto
+    act_qdq's grid as it loads it (`quantize_x`, pallas_kernels/act_quant.py); above, x goes to the kernel as E4M3
+    codes + UE8M0 scales (the same values). xq: x already on act_qdq's grid (hc_boundary's output; quantizing it
+    again gives the same values)."""
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
     if s is not None and cfg.qdq:
         x2 = (x if xq is None else xq).astype(dt).reshape(-1, x.shape[-1])
-        y = gemm.matmul(x2, w, scale=s, layer=layer, quantize_x=True)
+        if x2.shape[0] <= QUANTIZE_X_MAX_TOKENS:
+            y = gemm.matmul(x2, w, scale=s, layer=layer, quantize_x=True)
+        else:
+            codes, xs = quant.fp8_encode(x2, 32)
+            y = gemm.matmul(codes, w, scale=s, layer=layer, x_scale=xs)
     else:
         y = gemm.matmul(layers.act_qdq(cfg, x.astype(dt), p).reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -167,13 +179,21 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
 
     rw = weights.reshape(-1)[order]
     (w1, s1, layer), (w3, s3, _) = _view(p["w1"]), _view(p["w3"])
-    if s1 is not None and quantized:  # MXFP4 and FP8 activations: the kernels quantize their x rows as they load them
+    if s1 is not None and quantized:  # MXFP4 and FP8 activations (quantised in the kernels: QUANTIZE_X_MAX_TOKENS)
         # no zeroed output buffers (all_rows_routed): rows past sum(sizes) (expert ids out of range, as DEP's
         # padding rows) come back undefined, and the select below drops them (it fuses into the scatter-add)
-        h = moe_gemm.grouped_swiglu(x.astype(dt)[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
-                                    limit=cfg.swiglu_limit, dtype=dt, quantize_x=True, all_rows_routed=True)
-        w, s, layer = _view(p["w2"])
-        y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer, quantize_x=True, all_rows_routed=True)
+        w, s, layer2 = _view(p["w2"])
+        kw = dict(limit=cfg.swiglu_limit, dtype=dt, all_rows_routed=True)
+        if N <= QUANTIZE_X_MAX_TOKENS:
+            h = moe_gemm.grouped_swiglu(x.astype(dt)[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
+                                        quantize_x=True, **kw)
+            y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer2, quantize_x=True, all_rows_routed=True)
+        else:
+            xq, xc = quant.fp8_encode(x.astype(dt), 32)
+            h = moe_gemm.grouped_swiglu(xq[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
+                                        x_scale=xc[tok], **kw)
+            hq, hc = quant.fp8_encode(h, 32)
+            y = moe_gemm.grouped_matmul(hq, w, sizes, scale=s, layer=layer2, x_scale=hc, all_rows_routed=True)
         routed = jnp.arange(y.shape[0])[:, None] < jnp.sum(sizes)
         return jnp.zeros((N, D), F32).at[tok].add(jnp.where(routed, y.astype(dt).astype(F32), 0.0))
     if s1 is not None:  # MXFP4: w1, w3, the SwiGLU and the routing weight in one kernel

@@ -167,7 +167,8 @@ def test_moe_tuned_pick(monkeypatch):
     assert moe_bs.pick_moe_block(6, 5120, 2304, fp4=True, active=6).layout == "official"
 
 
-def test_ops_seam_with_fp8_blocks(monkeypatch):
+@pytest.mark.parametrize("n", [6, 10])  # <= / > ops.QUANTIZE_X_MAX_TOKENS: x quantised in the kernels / by XLA
+def test_ops_seam_with_fp8_blocks(monkeypatch, n):
     """ops.linear / ops.routed_experts (Pallas, FP8-dot blocks from TUNED) against the XLA reference ops on a small
     FP8 / MXFP4 layer: the linear within one bf16 rounding; the experts' output (h re-quantized to FP8 between the
     GEMMs, as in the reference, so a flipped bf16 rounding of h can move an FP8 code) close in norm, most entries
@@ -175,6 +176,7 @@ def test_ops_seam_with_fp8_blocks(monkeypatch):
     from dsv41_jax import layers, ops
     from dsv41_jax.config import ModelConfig
 
+    assert 6 <= ops.QUANTIZE_X_MAX_TOKENS < 10  # the two cases take the two paths
     cfg = ModelConfig.preset("tiny")
     D, inter, e = 128, 64, cfg.n_routed_experts
     k = jax.random.split(jax.random.key(8), 6)
@@ -182,12 +184,12 @@ def test_ops_seam_with_fp8_blocks(monkeypatch):
     ws = [quant.quantize_weight_fp4(jax.random.normal(k[i], shape) * 0.1)
           for i, shape in ((1, (e, inter, D)), (2, (e, D, inter)), (3, (e, inter, D)))]
     p = {n: {"weight": w, "scale": sc} for n, (w, sc) in zip(("w1", "w2", "w3"), ws)}
-    x = jax.random.normal(k[4], (10, D), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(k[4], (n, D), jnp.float32).astype(jnp.bfloat16)
     idx = jnp.stack([jax.random.permutation(jax.random.fold_in(k[5], t), e)[:cfg.n_activated_experts]
-                     for t in range(10)])
+                     for t in range(n)])
     wts = jax.random.uniform(k[5], idx.shape, jnp.float32, 0.1, 1.0)
     monkeypatch.setitem(gemm_bs.TUNED, (96, D, 16), GemmBlock(16, 32, 128, decode="fp8", nb=1, swap=True))
-    rows = 10 * cfg.n_activated_experts
+    rows = n * cfg.n_activated_experts
     monkeypatch.setitem(moe_bs.TUNED, ("swiglu", inter, D, rows), MoeBlock(4, 32, 128, decode="fp8", nb=4))
     monkeypatch.setitem(moe_bs.TUNED, ("gmm", D, inter, rows), MoeBlock(8, 32, 64, decode="fp8", nb=2, swap=True))
     pal = ops.ExecContext(kernels="pallas")
@@ -202,10 +204,10 @@ def test_ops_seam_with_fp8_blocks(monkeypatch):
     assert np.mean(np.abs(y - ref) <= 2 ** -7 * np.abs(ref) + 1e-6) > 0.9
     # expert ids out of range (DEP's padding rows) route nowhere: their rows are left undefined by the kernels (no
     # zeroed buffers; NaN in interpret mode) and must not reach any token
-    idx_pad = idx.at[7:].set(e).at[3, 1].set(e)
+    idx_pad = idx.at[n - 3:].set(e).at[3, 1].set(e)
     y, ref = (np.asarray(f(cfg, p, x, wts, idx_pad), np.float64) for f in
               (lambda *a: ops.routed_experts(pal, *a), layers.routed_experts))
-    assert np.all(np.isfinite(y)) and np.all(ref[7:] == 0) and np.all(y[7:] == 0)
+    assert np.all(np.isfinite(y)) and np.all(ref[n - 3:] == 0) and np.all(y[n - 3:] == 0)
     assert np.linalg.norm(y - ref) <= 2e-2 * np.linalg.norm(ref)
 
 
