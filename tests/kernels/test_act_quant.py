@@ -15,7 +15,7 @@ from pallas_kernels.gemm.kernel import dequant_fp8
 from pallas_kernels.moe import MoeBlock, grouped_matmul, grouped_swiglu, ref_grouped_matmul, ref_grouped_swiglu
 from pallas_kernels.moe.kernel import dequant_mxfp4
 from tests.kernels import test_fp8_dot
-from tests.kernels.test_fp8_dot import GROUPS, INTERPRET, K, L, M, bound_check
+from tests.kernels.test_fp8_dot import GROUPS, INTERPRET, K, M, bound_check
 
 
 def raw_rows(key, m, k, dtype=jnp.bfloat16):
@@ -38,12 +38,7 @@ def test_tile_helpers_equal_fp8_encode(dtype):
                                   np.asarray(quant.fp8_qdq(x.astype(jnp.float32), 32).astype(jnp.bfloat16), np.float32))
 
 
-@pytest.fixture(scope="module")
-def dense():
-    k = jax.random.split(jax.random.key(21), 2)
-    w = jax.random.normal(k[0], (L, 128, K)) * jnp.exp2(jax.random.randint(k[1], (L, 4, 1, K // 32, 1), -6, 4)
-                                                        ).repeat(32, 2).repeat(32, 4).reshape(L, 128, K)
-    return quant.quantize_weight_fp8(w)
+dense = test_fp8_dot.dense  # its FP8 block-32 weights fixture
 
 
 @pytest.mark.parametrize("m,blk", [
