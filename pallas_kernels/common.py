@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import act_quant
+
 F32 = jnp.float32
 
 
@@ -132,21 +134,11 @@ def e4m3_to_f32(byte):
     return jnp.where((b & 128) != 0, -mag, mag)
 
 
-FP8_MAX = 448.0
-
-
 def fp8_encode_block(x, block: int = 32):
-    """Inside a kernel: dsv41_jax.quant.fp8_encode of an f32 [rows, n] block (UE8M0 scale per `block`:
-    2^ceil(log2(max(amax, 1e-4) / 448)) from the f32 bits; E4M3 round-to-nearest-even, saturating). Returns
-    (E4M3 values [rows, n] float8_e4m3fn, scale codes [rows, n / block] int32, scales [rows, n / block] f32)."""
+    """Inside a kernel: dsv41_jax.quant.fp8_encode of an f32 [rows, n] block (the rule: pallas_kernels/act_quant.py).
+    Returns (E4M3 values [rows, n] float8_e4m3fn, scale codes [rows, n / block] int32, scales [rows, n / block] f32)."""
     rows, n = x.shape
-    b = x.reshape(rows, n // block, block)
-    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=2), 1e-4)
-    bits = jax.lax.bitcast_convert_type(amax * jnp.float32(1.0 / FP8_MAX), jnp.int32)
-    code = ((bits >> 23) & 255) + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # >= 104 (amax >= 1e-4)
-    scale = jax.lax.bitcast_convert_type(code << 23, F32)
-    inv = jax.lax.bitcast_convert_type((254 - code) << 23, F32)  # 1 / scale, exact
-    q = jnp.clip(b * inv[:, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    q, code, scale = act_quant.encode_blocks(x.reshape(rows, n // block, block))
     return q.reshape(rows, n), code, scale
 
 
