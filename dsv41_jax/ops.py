@@ -130,11 +130,11 @@ def _view(p):
     return p["weight"], p.get("scale"), None
 
 
-# FP8 activations of at most this many tokens are quantised inside the GEMM kernels (`quantize_x`: no XLA kernels
-# for it, the decode case); larger inputs (prefill, large batches) are quantised once by XLA and passed as codes,
-# because every N tile of a kernel repeats the quantisation of the x tiles it loads (N / bn = 36-512 times).
-# Not yet tuned on a GPU: the launches it saves were counted (docs/BENCHMARKS.md), the element work it adds not timed.
-QUANTIZE_X_MAX_TOKENS = 8
+# FP8 activations of at most this many tokens are quantised inside the GEMM kernels (`quantize_x`); larger inputs
+# are quantised once by XLA and passed as codes. 0: never in the kernels. Measured on an H200 (docs/BENCHMARKS.md,
+# "FP8 activations quantised in the kernels"): at 1 and 8 tokens the kernels' repeated quantisation of their x tiles
+# (once per N tile, 36-512 times) cost more device time than the ~480 XLA kernels it removes saved.
+QUANTIZE_X_MAX_TOKENS = 0
 
 
 def _pallas_linear_f32(cfg, p, x, xq=None):

@@ -167,8 +167,8 @@ def test_moe_tuned_pick(monkeypatch):
     assert moe_bs.pick_moe_block(6, 5120, 2304, fp4=True, active=6).layout == "official"
 
 
-@pytest.mark.parametrize("n", [6, 10])  # <= / > ops.QUANTIZE_X_MAX_TOKENS: x quantised in the kernels / by XLA
-def test_ops_seam_with_fp8_blocks(monkeypatch, n):
+@pytest.mark.parametrize("n, in_kernels", [(6, True), (10, False)])  # x quantised in the kernels / by XLA
+def test_ops_seam_with_fp8_blocks(monkeypatch, n, in_kernels):
     """ops.linear / ops.routed_experts (Pallas, FP8-dot blocks from TUNED) against the XLA reference ops on a small
     FP8 / MXFP4 layer: the linear within one bf16 rounding; the experts' output (h re-quantized to FP8 between the
     GEMMs, as in the reference, so a flipped bf16 rounding of h can move an FP8 code) close in norm, most entries
@@ -176,7 +176,7 @@ def test_ops_seam_with_fp8_blocks(monkeypatch, n):
     from dsv41_jax import layers, ops
     from dsv41_jax.config import ModelConfig
 
-    assert 6 <= ops.QUANTIZE_X_MAX_TOKENS < 10  # the two cases take the two paths
+    monkeypatch.setattr(ops, "QUANTIZE_X_MAX_TOKENS", n if in_kernels else 0)  # the two cases take the two paths
     cfg = ModelConfig.preset("tiny")
     D, inter, e = 128, 64, cfg.n_routed_experts
     k = jax.random.split(jax.random.key(8), 6)
