@@ -4,8 +4,9 @@ launch variants, several row / chunk splits, stacked weights read in place; the 
 its XLA branch on the tiny model's parameters; the GPU lowering at the full shape.
 
 Outputs are fresh buffers that interpret mode fills with NaN: every element the kernel fails to write shows up as
-non-finite. Contract (the kernel's docstring): h' and x within one bf16 ulp (measured: bit-identical here), xq
-exactly fp8_qdq of the kernel's x, mix' within 1e-5 relative."""
+non-finite. Contract (the kernel's docstring): h' within one bf16 ulp; x within one where the column's h' copies
+equal the reference's, else a few (x sums them); under 1% of the elements differ at all; xq exactly fp8_qdq of the
+kernel's x, mix' within 1e-5 relative."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +43,10 @@ def make_case(seed, n, d, layers_=3):
 
 
 def _ulps_bf16(got, want):
+    """|got - want| in bf16 ulps of want (2^(e - 7) for |want| in [2^e, 2^(e+1)))."""
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return np.abs(g - w) / np.maximum(np.abs(w) * 2.0 ** -8, 2.0 ** -133)
+    _, e = np.frexp(np.maximum(np.abs(w), 2.0 ** -126))
+    return np.abs(g - w) / np.ldexp(1.0, e - 8)
 
 
 def check(got, want_h, want_x, want_mix):
@@ -53,7 +56,12 @@ def check(got, want_h, want_x, want_mix):
     for g, w in ((h, want_h), (x, want_x)):
         assert g.shape == w.shape
         u = _ulps_bf16(g, w)
-        assert u.max() <= 1.0 and np.mean(u > 0) < 0.01
+        assert np.mean(u > 0) < 0.01
+        if g is x:  # x sums the hc copies of h' at a column: where one is an ulp off, x may be a few ulps off
+            same_h = np.all(_ulps_bf16(h, want_h) == 0, axis=-2).reshape(u.shape)
+            assert u[same_h].max(initial=0) <= 1.0 and u.max() <= 8.0
+        else:
+            assert u.max() <= 1.0
     np.testing.assert_allclose(np.asarray(mix), np.asarray(want_mix), rtol=1e-5, atol=1e-6)
     if xq is not None:
         np.testing.assert_array_equal(np.asarray(xq, np.float32), np.asarray(quant.fp8_qdq(x, 32), np.float32))
@@ -74,6 +82,19 @@ def test_kernel_matches_reference(n, d, blocks, single):
     check(got, *want)
     # exactness measured in interpret mode (stronger than the GPU contract above)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+
+
+@pytest.mark.parametrize("n,single,max_unroll", [(3, True, 64), (2, False, 64), (4, True, 2), (6, False, 2)])
+def test_steps_unrolled_and_looped(monkeypatch, n, single, max_unroll):
+    """D = 1024 in 128-column chunks: 8 partials to add and 4 (single launch) or 1 normalisation steps of 256
+    columns, unrolled (MAX_UNROLL 64) or in loops (MAX_UNROLL 2). A distinct n per case: the kernel reads
+    MAX_UNROLL when traced."""
+    from pallas_kernels.mega_mhc import kernel
+    monkeypatch.setattr(kernel, "MAX_UNROLL", max_unroll)
+    y, h, mix, fn, scale, base, norm = make_case(n + 100, n, 1024)
+    got = hc_boundary(y, h, mix, fn, scale, base, norm, layer=jnp.int32(2), hc=HC, iters=ITERS, eps=EPS,
+                      norm_eps=NORM_EPS, quantize=True, single_launch=single, blocks=MhcBlocks(16, 128, 4))
+    check(got, *layers.hc_boundary(_Cfg, h, y, mix, fn[2], scale[2], base[2], norm[2]))
 
 
 def test_unstacked_weights_without_quantisation():
