@@ -94,6 +94,24 @@ def load_uncached(ref, *, l2_only: bool = True, **kw):
     return plt.load(ref, volatile=l2_only, **kw)
 
 
+# Registers per thread that a group of in-flight partial loads may hold (sum_in_order).
+LOAD_REGS_IN_FLIGHT = 64
+
+
+def sum_in_order(load, n: int, init, *, regs_per_load: int):
+    """Inside a kernel: init + load(0) + ... + load(n - 1), added in index order (deterministic: the order of a
+    loop over k). n is static and the sum is unrolled in groups: a group's loads are all issued before the first
+    of them is added, so they wait about one memory latency together where a loop waits one per load (Triton does
+    not pipeline a loop of `num_stages=1` kernels). regs_per_load: 32-bit registers a thread holds per load
+    (elements of the loaded block / threads); a group holds at most LOAD_REGS_IN_FLIGHT of them."""
+    group = max(1, LOAD_REGS_IN_FLIGHT // max(regs_per_load, 1))
+    acc = init
+    for g0 in range(0, n, group):
+        for v in [load(k) for k in range(g0, min(n, g0 + group))]:
+            acc = acc + v
+    return acc
+
+
 def _i32(x):
     return x.astype(jnp.int32)
 

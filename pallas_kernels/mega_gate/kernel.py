@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import interpret_default, last_arrival, load_uncached
+from pallas_kernels.common import interpret_default, last_arrival, load_uncached, sum_in_order
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SM_COUNT = 132  # H200
@@ -77,6 +77,7 @@ class _Static:
     route_scale: float
     normalize: bool
     interpret: bool
+    warps: int = 4
 
 
 def _softplus(x):
@@ -110,11 +111,9 @@ def _kernel(layer_ref, x_ref, w_ref, bias_ref, cnt_in, wout, iout, part, cnt, *,
         cols = jax.lax.broadcasted_iota(jnp.int32, (1, st.Ep), 1)
         eok_c = cols < st.E
 
-        def body(c, a):
-            return a + load_uncached(part.at[c, pl.ds(r0, st.bn), pl.ds(z, st.Ep)], mask=ok & eok_c,
-                                     other=0.0)
-
-        logits = jax.lax.fori_loop(0, st.n_dc, body, jnp.zeros((st.bn, st.Ep), F32))
+        logits = sum_in_order(  # chunk order; the loads overlap in groups
+            lambda c: load_uncached(part.at[z + c, pl.ds(r0, st.bn), pl.ds(z, st.Ep)], mask=ok & eok_c, other=0.0),
+            st.n_dc, jnp.zeros((st.bn, st.Ep), F32), regs_per_load=st.bn * st.Ep // (32 * st.warps))
         s = jnp.sqrt(_softplus(logits))
         bias = plt.load(bias_ref.at[layer, pl.ds(z, st.Ep)], mask=eok_c[0], other=0.0).astype(F32)
         sb = jnp.where(eok_c, s + bias[None, :], -jnp.inf)
@@ -173,6 +172,6 @@ def route(x, weight, bias, *, k: int, route_scale: float, norm_topk_prob: bool, 
     interpret = interpret_default() if interpret is None else interpret
     st = _Static(N=N, E=E, Ep=Ep, k=k, kp=max(_pow2(k), 2), bn=b.bn, be=b.be, dk=b.dk, bk=min(b.dk, 128),
                  n_eb=-(-E // b.be), n_dc=D // b.dk, route_scale=float(route_scale),
-                 normalize=bool(norm_topk_prob and k > 1), interpret=interpret)
+                 normalize=bool(norm_topk_prob and k > 1), interpret=interpret, warps=b.num_warps)
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     return _call(lay, x.astype(BF16), weight, bias.astype(F32), st=st, num_warps=b.num_warps)

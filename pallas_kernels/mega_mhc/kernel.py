@@ -42,13 +42,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival, load_uncached
+from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival, load_uncached, sum_in_order
 from pallas_kernels.mhc.kernel import WIDTH, _col, _place, coefficients
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SM_COUNT = 132  # H200
 COL_SSH, COL_SSX = 30, 31  # partial-sum columns of `part` past the (2+hc)*hc logits
-MAX_UNROLL = 64  # static loops up to this many steps are unrolled (their loads then overlap)
+MAX_UNROLL = 64  # normalisation steps up to this many are unrolled (their loads then overlap)
 NORM_TILE = 4096  # elements of x a normalisation step holds (rows x columns): 32 f32 a thread at 4 warps
 
 
@@ -87,6 +87,7 @@ class _Static:
     norm_eps: float
     quantize: bool
     interpret: bool
+    warps: int = 4
 
 
 def _rows(st: _Static, rb):
@@ -150,21 +151,12 @@ def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_
 
 def _partials(st: _Static, rb, part):
     """The partials of row block rb summed in chunk order ([bn, WIDTH]); loads bypass L1 (other programs wrote
-    them during this launch). Unrolled (n_dc is static): every chunk's load is issued before the first add needs
-    it, so the sum waits about one L2 latency instead of n_dc of them in a row (a loop waits for each)."""
+    them during this launch) and overlap in groups (common.sum_in_order)."""
     r0, ok = _rows(st, rb)
-    if st.n_dc > MAX_UNROLL:
-        def body(k, acc):
-            return acc + load_uncached(part.at[k, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], mask=ok, other=0.0)
-
-        return jax.lax.fori_loop(0, st.n_dc, body, jnp.zeros((st.bn, WIDTH), F32))
     z = _zero(rb)  # traced chunk indices (interpret mode rejects a static int index here)
-    loads = [load_uncached(part.at[z + k, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], mask=ok, other=0.0)
-             for k in range(st.n_dc)]
-    acc = jnp.zeros((st.bn, WIDTH), F32)
-    for v in loads:  # chunk order: the same sums as the loop
-        acc = acc + v
-    return acc
+    return sum_in_order(lambda k: load_uncached(part.at[z + k, pl.ds(r0, st.bn), pl.ds(0, WIDTH)], mask=ok,
+                                                other=0.0),
+                        st.n_dc, jnp.zeros((st.bn, WIDTH), F32), regs_per_load=st.bn * WIDTH // (32 * st.warps))
 
 
 def _mixes(st: _Static, rb, layer, acc, scale_ref, base_ref, mix_out):
@@ -316,7 +308,8 @@ def hc_boundary(y, h, mix, fn, scale, base, norm_w, *, layer=None, hc: int, iter
         raise ValueError(f"mega_mhc: D={D} with blocks {b} (power-of-two blocks, bn >= 16, dk | D)")
     interpret = interpret_default() if interpret is None else interpret
     st = _Static(N=N, D=D, hc=hc, bn=b.bn, dk=b.dk, bk=min(b.dk, 4096 // b.bn), n_dc=D // b.dk, iters=iters,
-                 eps=float(eps), norm_eps=float(norm_eps), quantize=quantize, interpret=interpret)
+                 eps=float(eps), norm_eps=float(norm_eps), quantize=quantize, interpret=interpret,
+                 warps=b.num_warps)
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     return _call(lay, y.astype(BF16), h.astype(BF16), mix.astype(F32), fn, scale, base, norm_w,
                  st=st, single_launch=single_launch, num_warps=b.num_warps)

@@ -55,3 +55,22 @@ def test_decoders_inside_a_kernel_interpret_and_lowering():
     np.testing.assert_array_equal(got, ref)
     text = common.lower_for_h200(lambda x: _decode(x, False), jax.ShapeDtypeStruct((16, 128), jnp.uint8))
     assert "triton" in text
+
+
+def test_sum_in_order_is_the_loop_sum_in_every_grouping():
+    """The grouped, unrolled partial sum adds in index order: bit-identical to the loop's f32 sum (values over 12
+    binades, so another order would round differently), and each load is made once."""
+    rng = np.random.default_rng(5)
+    parts = rng.normal(0, 1, (13, 4, 8)) * 2.0 ** rng.integers(-6, 6, (13, 4, 8))
+    parts = jnp.asarray(parts, jnp.float32)
+    init = jnp.asarray(rng.normal(0, 1, (4, 8)), jnp.float32)
+    want = init
+    for k in range(13):
+        want = want + parts[k]
+    reordered = init + jnp.sum(parts[::-1], axis=0)
+    assert not np.array_equal(np.asarray(reordered), np.asarray(want))  # the order matters for these values
+    for regs in (1, 5, 13, 64, 1000):
+        seen = []
+        got = common.sum_in_order(lambda k: seen.append(k) or parts[k], 13, init, regs_per_load=regs)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert seen == list(range(13))
