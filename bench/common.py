@@ -40,10 +40,14 @@ def write_result(path, result: dict, command: str, source: dict | None = None):
     return rec
 
 
-# `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): name -> the ops kept
-# on XLA beside `--kernels auto`'s (dsv41_jax.ops.AUTO_XLA_OPS). "auto-xla-sinkhorn" is the auto of before the
-# Sinkhorn kernel ran inside XLA's mHC boundary (its while loop on XLA), for side-by-side runs.
-KERNEL_VARIANTS = {"auto-xla-sinkhorn": ("hc_coefficients",)}
+# `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): name -> (ops added
+# to, ops taken from) `--kernels auto`'s XLA list (dsv41_jax.ops.AUTO_XLA_OPS), for side-by-side runs of one kernel
+# choice. "auto-xla-sinkhorn": the auto of before the Sinkhorn kernel ran inside XLA's mHC boundary; "auto+<kernel>":
+# auto with one fused kernel that auto keeps on XLA switched on (Mega-mHC, Mega-Gate, the fused ring write).
+KERNEL_VARIANTS = {"auto-xla-sinkhorn": (("hc_coefficients",), ()),
+                   "auto+mega-mhc": ((), ("hc_boundary",)),
+                   "auto+mega-gate": ((), ("gate",)),
+                   "auto+ring-write": ((), ("ring_write",))}
 
 
 def kernel_args(spec: str) -> dict:
@@ -51,5 +55,6 @@ def kernel_args(spec: str) -> dict:
     if spec in KERNEL_VARIANTS:
         from dsv41_jax.ops import AUTO_XLA_OPS
 
-        return {"kernels": "pallas", "xla_ops": AUTO_XLA_OPS + KERNEL_VARIANTS[spec]}
+        add, drop = KERNEL_VARIANTS[spec]
+        return {"kernels": "pallas", "xla_ops": tuple(o for o in AUTO_XLA_OPS if o not in drop) + add}
     return {"kernels": spec}

@@ -75,3 +75,18 @@ def test_auto_boundary_runs_the_sinkhorn_kernel_inside_xla(monkeypatch):
     # the mixes differ from the input mixes (the Sinkhorn ran), and the comb block is doubly stochastic
     mix = got[3].reshape(N, -1)[:, 2 * hc:].reshape(N, hc, hc)
     assert float(jnp.max(jnp.abs(jnp.sum(mix, axis=-2) - 1))) < 1e-3
+
+
+def test_benchmark_kernel_variants_switch_one_op_each():
+    """bench.common's `--kernels` variants: each "auto+<kernel>" runs exactly one op of auto's XLA list as its
+    kernel, and every variant names ops ExecContext accepts."""
+    from bench.common import KERNEL_VARIANTS, kernel_args
+
+    for name, (add, drop) in KERNEL_VARIANTS.items():
+        kw = kernel_args(name)
+        assert kw["kernels"] == "pallas"
+        ops.ExecContext(**kw)  # valid op names
+        assert set(kw["xla_ops"]) == (set(ops.AUTO_XLA_OPS) - set(drop)) | set(add)
+    for name, op in (("auto+mega-mhc", "hc_boundary"), ("auto+mega-gate", "gate"), ("auto+ring-write", "ring_write")):
+        assert set(ops.AUTO_XLA_OPS) - set(kernel_args(name)["xla_ops"]) == {op}
+    assert kernel_args("auto") == {"kernels": "auto"}
