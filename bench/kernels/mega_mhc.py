@@ -11,13 +11,14 @@ the Sinkhorn kernel, pallas_kernels/mhc) for bench/fused_kernels.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from dsv41_jax import layers, quant
-from pallas_kernels.mega_mhc import hc_boundary
+from pallas_kernels.mega_mhc import hc_boundary, pick_blocks
 from pallas_kernels.mhc import hc_coefficients
 
 HC, MW, ITERS, EPS, NORM_EPS = 4, 24, 20, 1e-6, 1e-20
@@ -45,10 +46,13 @@ def make_args(n, d, n_layers, seed=0):
     return y, h, mix, fn, scale, base, norm, layer
 
 
-def fused(single_launch: bool = True):
+def fused(single_launch: bool = True, num_warps: int | None = None):
+    """The kernel with pick_blocks' blocks; num_warps overrides their warps (a side-by-side variant)."""
     def f(y, h, mix, fn, scale, base, norm, layer):
+        b = pick_blocks(y.shape[0], y.shape[1])
+        b = b if num_warps is None else dataclasses.replace(b, num_warps=num_warps)
         return hc_boundary(y, h, mix, fn, scale, base, norm, layer=layer, hc=HC, iters=ITERS, eps=EPS,
-                           norm_eps=NORM_EPS, quantize=True, single_launch=single_launch)
+                           norm_eps=NORM_EPS, quantize=True, single_launch=single_launch, blocks=b)
 
     return jax.jit(f)
 
@@ -89,9 +93,10 @@ def cases(smoke: bool = False) -> list[dict]:
 
 
 def variants(smoke: bool = False) -> list[dict]:
-    """bench/fused_kernels.py: for each N, the fused kernel (one launch, two launches) and both unfused paths."""
+    """bench/fused_kernels.py: for each N, the fused kernel (one launch, two launches; pick_blocks' warps, and 4 warps
+    side by side: the blocks before 8 warps, whose phase 1 spilled registers) and both unfused paths."""
     d, n_layers, ns = (256, 2, (5,)) if smoke else (FULL_D, FULL_L, NS)
     return [{"op": "mega_mhc", "n": n, "make_args": functools.partial(make_args, n, d, n_layers),
              "bytes": nbytes(n, d), "reference": reference,
-             "fused": {"fused": fused(True), "fused_2launch": fused(False)},
+             "fused": {"fused": fused(True), "fused_2launch": fused(False), "fused_w4": fused(True, 4)},
              "unfused": {"xla": reference, "prev_pallas": previous}, "n_layers": n_layers} for n in ns]

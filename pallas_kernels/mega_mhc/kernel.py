@@ -24,7 +24,8 @@ Numerics contract (against the reference, random inputs; measured in tests/kerne
 - h' and the unnormalised hc_pre: the reference's f32 operations in its order, rounded to bf16 (the GPU may fuse
   multiply-adds, so a few elements may differ by one bf16 ulp);
 - mix': the logits' f32 sums run in another order than XLA's GEMM (chunked), then the Sinkhorn of
-  pallas_kernels.mhc; |mix' - ref| <= 1e-5 * max(1, |ref|);
+  pallas_kernels.mhc; |mix' - ref| <= 1e-5 * max(1, |ref|) on most rows, but the Sinkhorn can amplify the sum
+  order's last-ulp differences (a random row at D = 1024 in tests/kernels/test_mega_mhc.py: 6e-5);
 - x: the RMS statistic is summed in chunk order, so x may differ from the reference by one bf16 ulp in rare
   elements, and by a few where an h' copy it sums is an ulp off (measured in interpret mode at D = 1024); xq is
   exactly fp8_qdq(x) of the kernel's x (UE8M0 scale from the f32 bits, E4M3 round-to-nearest-even) and therefore
@@ -49,7 +50,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SM_COUNT = 132  # H200
 COL_SSH, COL_SSX = 30, 31  # partial-sum columns of `part` past the (2+hc)*hc logits
 MAX_UNROLL = 64  # normalisation steps up to this many are unrolled (their loads then overlap)
-NORM_TILE = 4096  # elements of x a normalisation step holds (rows x columns): 32 f32 a thread at 4 warps
+NORM_TILE = 4096  # elements of x a normalisation step holds (rows x columns): 16 f32 a thread at 8 warps
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,9 @@ class MhcBlocks:
 
 def pick_blocks(n: int, d: int) -> MhcBlocks:
     """16-row blocks (the plt.dot minimum) up to 64 rows, then 32; the widest chunk (<= 1024) that divides D and
-    still gives about half a wave of programs at small N (more chunks: more partials for the epilogue to add)."""
+    still gives about half a wave of programs at small N (more chunks: more partials for the epilogue to add);
+    8 warps (at 4, phase 1 needs more than 255 registers a thread and spills: ptxas for sm_90a at D = 5120 gives
+    255 registers and a 608-1,040-byte stack at N = 1 / 8 / 32 with 4 warps, 91-100 registers and none with 8)."""
     bn = 16 if n <= 64 else 32
     n_rb = -(-n // bn)
     dk = 1024
@@ -70,7 +73,7 @@ def pick_blocks(n: int, d: int) -> MhcBlocks:
         dk //= 2
     while d % dk:
         dk //= 2
-    return MhcBlocks(bn=bn, dk=max(dk, 32), num_warps=4)
+    return MhcBlocks(bn=bn, dk=max(dk, 32), num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -179,30 +182,40 @@ def _mixes(st: _Static, rb, layer, acc, scale_ref, base_ref, mix_out):
 
 def _normalise(st: _Static, rb, d_start, n_cols, layer, rx, x_src, norm_ref, x_out, xq_out, uncached):
     """x = norm_w * (x_src * rx) rounded to bf16 (and its FP8 qdq) over columns d_start .. + n_cols, in steps of
-    `_norm_step` columns, unrolled when there are at most MAX_UNROLL (their loads overlap; a loop waits for each)."""
+    `_norm_step` columns, unrolled when there are at most MAX_UNROLL (their loads overlap; a loop waits for each).
+    With fewer rows than a block (N < bn: one block, N valid rows) each valid row is normalised alone in [1, w]
+    tiles: a [bn, w] tile would spend bn / N times the ALU work on masked rows (at N = 1, 16x; in the one-launch
+    form one program does all of D)."""
     r0, ok = _rows(st, rb)
-    w_step = _norm_step(st, n_cols)
+    if st.N < st.bn:
+        ib = jax.lax.broadcasted_iota(jnp.int32, (st.bn,), 0)
+        tiles = [(r0 + r, 1, jnp.sum(jnp.where(ib == r, rx, 0.0)).reshape(1), None) for r in range(st.N)]
+    else:
+        tiles = [(r0, st.bn, rx, ok)]
+    w_step = _norm_step(st, n_cols, tiles[0][1])
 
-    def step(d0):
-        xv = load_uncached(x_src.at[pl.ds(r0, st.bn), pl.ds(d0, w_step)], mask=ok, other=0.0, l2_only=uncached)
+    def step(d0, rs, nr, rxv, mask):
+        fill = {} if mask is None else {"mask": mask, "other": 0.0}  # Triton takes `other` only with a mask
+        xv = load_uncached(x_src.at[pl.ds(rs, nr), pl.ds(d0, w_step)], l2_only=uncached, **fill)
         w = plt.load(norm_ref.at[layer, pl.ds(d0, w_step)]).astype(F32)
-        xn = (w[None, :] * (xv.astype(F32) * rx[:, None])).astype(BF16)
-        plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, w_step)], xn, mask=ok)
+        xn = (w[None, :] * (xv.astype(F32) * rxv[:, None])).astype(BF16)
+        plt.store(x_out.at[pl.ds(rs, nr), pl.ds(d0, w_step)], xn, mask=mask)
         if st.quantize:
-            plt.store(xq_out.at[pl.ds(r0, st.bn), pl.ds(d0, w_step)], fp8_qdq_block(xn.astype(F32)).astype(BF16),
-                      mask=ok)
+            plt.store(xq_out.at[pl.ds(rs, nr), pl.ds(d0, w_step)], fp8_qdq_block(xn.astype(F32)).astype(BF16),
+                      mask=mask)
 
     n_steps = n_cols // w_step
-    if n_steps <= MAX_UNROLL:
-        for t in range(n_steps):
-            step(d_start + t * w_step)
-    else:
-        jax.lax.fori_loop(0, n_steps, lambda t, c: (step(d_start + t * w_step), c)[1], 0)
+    for tile in tiles:
+        if n_steps * len(tiles) <= MAX_UNROLL:
+            for t in range(n_steps):
+                step(d_start + t * w_step, *tile)
+        else:
+            jax.lax.fori_loop(0, n_steps, lambda t, c, tile=tile: (step(d_start + t * w_step, *tile), c)[1], 0)
 
 
-def _norm_step(st: _Static, n_cols: int) -> int:
-    """Columns per normalisation step: the widest power of two dividing n_cols with bn * width <= NORM_TILE."""
-    w = max(st.bk, NORM_TILE // st.bn)
+def _norm_step(st: _Static, n_cols: int, rows: int) -> int:
+    """Columns per normalisation step: the widest power of two dividing n_cols with rows * width <= NORM_TILE."""
+    w = max(st.bk, NORM_TILE // rows)
     while w > 32 and n_cols % w:
         w //= 2
     return min(w, n_cols)

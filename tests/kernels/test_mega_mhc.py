@@ -84,11 +84,15 @@ def test_kernel_matches_reference(n, d, blocks, single):
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
 
 
-@pytest.mark.parametrize("n,single,max_unroll", [(3, True, 64), (2, False, 64), (4, True, 2), (6, False, 2)])
+@pytest.mark.parametrize("n,single,max_unroll", [(3, True, 64), (2, False, 64), (4, True, 2), (6, False, 2),
+                                                  (18, True, 64), (21, True, 2)])
 def test_steps_unrolled_and_looped(monkeypatch, n, single, max_unroll):
-    """D = 1024 in 128-column chunks: 8 partials to add and 4 (single launch) or 1 normalisation steps of 256
-    columns, unrolled (MAX_UNROLL 64) or in loops (MAX_UNROLL 2). A distinct n per case: the kernel reads
-    MAX_UNROLL when traced."""
+    """D = 1024 in 128-column chunks: 8 partials to add, then the normalisation, unrolled (MAX_UNROLL 64) or in
+    loops (MAX_UNROLL 2): N < 16 rows one at a time (one [1, 1024] step a row in one launch, one [1, 128] step a
+    row and chunk in two), N >= 16 in [16, 256] tiles (4 steps a block; the second block of 18 / 21 rows is
+    partial). A distinct n per case: the kernel reads MAX_UNROLL when traced. (n = 20 draws a row whose
+    Sinkhorn turns the logits' f32 sum-order differences into a 6e-5 difference of mix': the module's numerics
+    contract.)"""
     from pallas_kernels.mega_mhc import kernel
     monkeypatch.setattr(kernel, "MAX_UNROLL", max_unroll)
     y, h, mix, fn, scale, base, norm = make_case(n + 100, n, 1024)
