@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import sys
-import tempfile
 import time
 from collections import defaultdict
 
@@ -28,30 +26,16 @@ import jax
 from bench.common import write_result
 from bench.fused_kernels import loop_us
 from bench.kernels import mega_mhc as cases
+from bench.kernels.timing import gpu_events
 from pallas_kernels.mega_mhc import hc_boundary, pick_blocks
 
 
 def kernel_us(fn, args, iters: int) -> dict[str, float]:
-    """Device us per call of each kernel name in a profiler trace of `iters` calls."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            out = None
-            for _ in range(iters):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        finally:
-            jax.profiler.stop_trace()
-        pd = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        acc = defaultdict(float)
-        for p in pd.planes:
-            if p.name.startswith("/device:GPU"):
-                for ln in p.lines:
-                    if "stream" not in ln.name.lower():
-                        continue
-                    for e in ln.events:
-                        acc[e.name[:60]] += e.duration_ns / 1e3 / iters
+    """Device us per call of each kernel name on the trace's stream lines."""
+    acc = defaultdict(float)
+    for line, name, _, dur in gpu_events(fn, args, iters):
+        if "stream" in line.lower():
+            acc[name[:60]] += dur / 1e3 / iters
     return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
 
 

@@ -1,11 +1,11 @@
 """The timing runner shared by the per-kernel benchmarks (gemm.py, moe.py) and the all-kernel table (all.py).
 
-`wall_us` = median wall time of synced calls (includes ~10-40 us of dispatch); `device_us` = device busy time
-per call from a profiler trace (union of the GPU's kernel/memcpy intervals / calls; None if the trace has no
-device plane); `run(cases, argv, prog)` = the `--iters/--only/--sweep/--out/--smoke` CLI over a kernel's
-`cases(smoke)` (--smoke: its tiny shapes, the CPU check of tests/test_bench_kernels.py), which
-prints a table last (GB/s = bytes / dev_us; HBM peak 4.8 TB/s, copy ~4.3 TB/s; rel_err = max |pallas - xla| /
-max |xla|).
+`wall_us` = median wall time of synced calls (includes ~10-40 us of dispatch); `gpu_events` = the GPU events of a
+profiler trace; `device_us` = device busy time per call from such a trace (union of the GPU's kernel/memcpy
+intervals / calls; None if the trace has no device plane); `run(cases, argv, prog)` = the
+`--iters/--only/--sweep/--out/--smoke` CLI over a kernel's `cases(smoke)` (--smoke: its tiny shapes, the CPU check
+of tests/test_bench_kernels.py), which prints a table last (GB/s = bytes / dev_us; HBM peak 4.8 TB/s, copy ~4.3
+TB/s; rel_err = max |pallas - xla| / max |xla|).
 """
 
 from __future__ import annotations
@@ -33,23 +33,29 @@ def wall_us(fn, args, iters: int) -> float:
     return statistics.median(ts) * 1e6
 
 
+def gpu_events(fn, args, iters: int) -> list[tuple[str, str, int, int]]:
+    """(line name, event name, start ns, duration ns) of every GPU event in a profiler trace of `iters` calls
+    (after one untraced call)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            out = None
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        pd = jax.profiler.ProfileData.from_file(paths[0])
+        return [(ln.name, e.name, e.start_ns, e.duration_ns) for p in pd.planes if p.name.startswith("/device:GPU")
+                for ln in p.lines for e in ln.events if e.duration_ns > 0]
+
+
 def device_us(fn, args, iters: int) -> float | None:
     """Device busy time per call: union of all event intervals on the GPU planes of a profiler trace / iters."""
-    jax.block_until_ready(fn(*args))
     try:
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            try:
-                out = None
-                for _ in range(iters):
-                    out = fn(*args)
-                jax.block_until_ready(out)
-            finally:
-                jax.profiler.stop_trace()
-            paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-            pd = jax.profiler.ProfileData.from_file(paths[0])
-            spans = [(e.start_ns, e.start_ns + e.duration_ns) for p in pd.planes if p.name.startswith("/device:GPU")
-                     for ln in p.lines for e in ln.events if e.duration_ns > 0]
+        spans = [(s, s + dur) for _, _, s, dur in gpu_events(fn, args, iters)]
     except Exception as exc:  # noqa: BLE001 - a missing trace only loses the column
         print(f"device trace failed: {exc!r}", file=sys.stderr)
         return None
