@@ -4,12 +4,15 @@ count the SASS instructions of the main loop per weight byte (the issue-rate bou
 a clock, so x instructions per byte cap it at 128 / x bytes a clock).
 
     python -m tools.kernel_sass dump --out DIR [--only SUBSTR]          (this project's venv: writes DIR/*.ttir)
+    python -m tools.kernel_sass dump --out DIR --only mega_mhc          (Mega-mHC at N = 1 / 8 / 32, 4 and 8 warps)
     TRITON_PY -m tools.kernel_sass compile DIR                          (a venv with triton==3.6.0, no jax needed)
 
 The compile step reads DIR/index.json, rewrites the one attribute spelling that differs between jaxlib's Triton
 dialect and pip Triton 3.6 (a load's cachePolicy), and prints per kernel: registers, shared memory, the loop's
 instruction count, instructions per weight byte, the issue-bound TB/s (132 SMs at 1.755 GHz) and the main opcodes
-per byte (QGMMA = FP8 wgmma, HMMA = mma.sync, F2FP = FP8 -> f16 converts, STS / LDS = shared memory). XLA's own
+per byte (QGMMA = FP8 wgmma, HMMA = mma.sync, F2FP = FP8 -> f16 converts, STS / LDS = shared memory), and the
+stack size and local-memory instructions (register spills); for kernels without a weight loop (Mega-mHC) only the
+registers, stack and local-memory instructions. XLA's own
 Triton build (what jax 0.11.2 uses on the GPU) may schedule differently: these are estimates to rank candidates,
 not measurements.
 """
@@ -76,6 +79,9 @@ def dump(out: Path, only: str = ""):
             if M < 64 or mat in wc.DENSE_M64:
                 for name, b in [("current", wc.pick_gemm_block(M, N, K, fp8=True))] + wc.dense_candidates(M, N, K):
                     jobs.append((f"dense_{mat}_M{M}_{name}", "dense", M, N, K, b, False))
+    if only.startswith("mega_mhc"):  # Mega-mHC's one-launch kernel at D = 5120, pick_blocks' blocks at 4 and 8 warps
+        _dump_mega_mhc(out, ttir, only)
+        return
     for name, kind, M, N, K, b, fused in jobs:
         if only not in name or (kind, N, K, fused, b) in seen:
             continue
@@ -105,6 +111,35 @@ def dump(out: Path, only: str = ""):
             continue
         (out / f"{name}.ttir").write_text(text)
         index[name] = dict(num_warps=b.num_warps, num_stages=b.num_stages, loop_bytes=nbytes, block=repr(b))
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    print(f"{len(index)} kernels in {out}")
+
+
+def _dump_mega_mhc(out: Path, ttir, only: str):
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.mega_mhc import hc_boundary, pick_blocks
+
+    sd = jax.ShapeDtypeStruct
+    D, L, hc, mw = 5120, 40, 4, 24
+    index = {}
+    for n in (1, 8, 32):
+        for warps in (4, 8):
+            b = dataclasses.replace(pick_blocks(n, D), num_warps=warps)
+            name = f"mega_mhc_N{n}_w{warps}"
+            if only not in name:
+                continue
+            fn = lambda y, h, m, f, s, bb, w, l, b=b: hc_boundary(  # noqa: E731
+                y, h, m, f, s, bb, w, layer=l, hc=hc, iters=20, eps=1e-6, norm_eps=1e-6, quantize=True, blocks=b,
+                interpret=False)
+            (out / f"{name}.ttir").write_text(ttir(
+                fn, sd((n, D), jnp.bfloat16), sd((n, hc, D), jnp.bfloat16), sd((n, mw), jnp.float32),
+                sd((L, mw, hc * D), jnp.float32), sd((L, 3), jnp.float32), sd((L, mw), jnp.float32),
+                sd((L, D), jnp.bfloat16), sd((), jnp.int32)))
+            index[name] = dict(num_warps=warps, num_stages=1, loop_bytes=0, block=repr(b))
     (out / "index.json").write_text(json.dumps(index, indent=1))
     print(f"{len(index)} kernels in {out}")
 
@@ -157,12 +192,18 @@ def compile_dir(d: Path):
         cub.write_bytes(k.asm["cubin"])
         sass = subprocess.run([str(bindir / "cuobjdump"), "-sass", str(cub)], capture_output=True, text=True).stdout
         res = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True, text=True).stdout
-        regs = re.search(r"REG:(\d+)", res)
+        regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+        local = len(re.findall(r"\b(?:STL|LDL)\b", sass))  # spill traffic: local-memory loads and stores
+        if not m["loop_bytes"]:  # not a weight GEMM: registers and spills only
+            print(f"{name:60s} regs {regs.group(1) if regs else '?':>3s} stack {stack.group(1) if stack else '?':>5s} "
+                  f"local-memory instructions {local:5d}", flush=True)
+            continue
         c = loop_counts(sass)
         per = sum(c.values()) * 32 * m["num_warps"] / m["loop_bytes"]
         bound = SM_ISSUE / per * SMS * CLOCK / 1e12 if per else float("nan")
         ops = " ".join(f"{o}:{c[o] * 32 * m['num_warps'] / m['loop_bytes']:.2f}" for o in keys if c[o])
-        print(f"{name:60s} regs {regs.group(1) if regs else '?':>3s} smem {k.metadata.shared:6d} "
+        print(f"{name:60s} regs {regs.group(1) if regs else '?':>3s} stack {stack.group(1) if stack else '?':>5s} "
+              f"local {local:4d} smem {k.metadata.shared:6d} "
               f"loop {sum(c.values()):5d} instr/B {per:5.2f} issue-bound {bound:4.1f} TB/s | {ops}", flush=True)
 
 

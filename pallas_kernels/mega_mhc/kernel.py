@@ -64,8 +64,9 @@ class MhcBlocks:
 def pick_blocks(n: int, d: int) -> MhcBlocks:
     """16-row blocks (the plt.dot minimum) up to 64 rows, then 32; the widest chunk (<= 1024) that divides D and
     still gives about half a wave of programs at small N (more chunks: more partials for the epilogue to add);
-    8 warps (at 4, phase 1 needs more than 255 registers a thread and spills: ptxas for sm_90a at D = 5120 gives
-    255 registers and a 608-1,040-byte stack at N = 1 / 8 / 32 with 4 warps, 91-100 registers and none with 8)."""
+    8 warps (at 4 the kernel needs more than 255 registers a thread and spills: ptxas for sm_90a at D = 5120 gives
+    255 registers and a 608-1,040-byte stack at N = 1 / 8 / 32 with 4 warps, 95-113 registers and none with 8:
+    bench/results/mega_mhc_sass_cpu.json, tools/kernel_sass.py; on an H100 4 warps were 5% slower at N = 1)."""
     bn = 16 if n <= 64 else 32
     n_rb = -(-n // bn)
     dk = 1024
