@@ -47,7 +47,8 @@ def write_result(path, result: dict, command: str, source: dict | None = None):
 KERNEL_VARIANTS = {"auto-xla-sinkhorn": (("hc_coefficients",), ()),
                    "auto+mega-mhc": ((), ("hc_boundary",)),
                    "auto+mega-gate": ((), ("gate",)),
-                   "auto+ring-write": ((), ("ring_write",))}
+                   "auto+ring-write": ((), ("ring_write",)),
+                   "auto-f32-head": (("lm_head",), ())}
 
 
 def kernel_args(spec: str) -> dict:

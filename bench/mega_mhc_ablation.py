@@ -11,6 +11,12 @@ Variants (rows N = --ns; every variant computes a boundary, only the marked part
 - warps4 / dk256 / dk512: other blocks.
 Per variant: loop_us (bench/fused_kernels.py `loop_us`: one program, 40 calls on 40 layers' weights), and per
 kernel name the device us per call from a trace (XLA turns command buffers off while tracing). Prints a table.
+
+    python -m bench.mega_mhc_ablation --counters --ns 1 --variants base,two_launch --out FILE.json   (GPU, ncu)
+
+`--counters`: the script runs itself under Nsight Compute (bench/weight_gemm_counters.py's sections, metrics and
+parsing; caches flushed, single cold launches) and reports per Mega-mHC launch its duration, occupancy, registers,
+issue rate and top stall reasons: what a one-row boundary waits on.
 """
 
 from __future__ import annotations
@@ -66,6 +72,55 @@ def variant(name: str, n: int, d: int):
 VARIANTS = ("base", "two_launch", "sinkhorn1", "no_quant", "warps4", "dk256", "dk512")
 
 
+def counters(a, argv) -> int:
+    """Run this script's `--counters-child` under ncu; one row per Mega-mHC launch (2 calls per variant)."""
+    import os
+    import subprocess
+
+    from bench import weight_gemm_counters as wgc
+
+    cmd = ["ncu", "--clock-control", "none", "--target-processes", "all", "-k", "regex:^mega_mhc", "--csv",
+           "--page", "details", *[x for s in wgc.SECTIONS for x in ("--section", s)], "--metrics",
+           ",".join(wgc.METRICS), sys.executable, "-m", "bench.mega_mhc_ablation", "--counters-child",
+           "--ns", a.ns, "--variants", a.variants]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+        return 1
+    order = [{"n": int(n), "variant": v, "call": c} for n in a.ns.split(",") for v in a.variants.split(",")
+             for c in range(2)]
+    raw = wgc.parse(p.stdout)
+    rows = []
+    for r in raw:  # a variant launches 1 (one launch) or 2 (two_launch) kernels per call: match by kernel name
+        stalls = {k: r.get(f"smsp__average_warps_issue_stalled_{k}_per_issue_active.ratio", 0.0) for k in wgc.STALLS}
+        rows.append({"kernel": r["kernel"], "grid": r["grid"], "block": r["block"],
+                     "us": r.get("gpu__time_duration.sum", float("nan")) / 1e3,
+                     "registers": r.get("Registers Per Thread"), "achieved_occupancy": r.get("Achieved Occupancy"),
+                     "issue_per_cycle": r.get("smsp__issue_active.avg.per_cycle_active"),
+                     "instructions": r.get("smsp__inst_executed.sum"),
+                     "top_stalls": sorted(stalls.items(), key=lambda kv: -kv[1])[:4]})
+    if a.out:
+        write_result(a.out, {"calls": order, "rows": rows, "raw": raw},
+                     "python -m bench.mega_mhc_ablation " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"{'kernel':>16} {'grid':>12} {'us':>7} {'regs':>5} {'issue/cyc':>9}  top stalls (cycles per issue)")
+    for r in rows:
+        st = ", ".join(f"{k} {v:.1f}" for k, v in r["top_stalls"])
+        print(f"{r['kernel'][:16]:>16} {r['grid']:>12} {r['us']:7.1f} {r['registers']!s:>5} "
+              f"{r['issue_per_cycle']!s:>9}  {st}")
+    return 0
+
+
+def counters_child(a):
+    d, n_layers = cases.FULL_D, cases.FULL_L
+    for n in [int(x) for x in a.ns.split(",")]:
+        args = cases.make_args(n, d, n_layers)
+        for v in a.variants.split(","):
+            fn = variant(v, n, d)
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.mega_mhc_ablation")
     ap.add_argument("--ns", default="1,8")
@@ -76,7 +131,13 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=300, help="seconds after which no new variant starts")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="")
+    ap.add_argument("--counters", action="store_true", help="Nsight Compute counters per launch (GPU, ncu)")
+    ap.add_argument("--counters-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.counters:
+        return counters(a, argv)
+    if a.counters_child:
+        return counters_child(a)
     d, n_layers = (256, 2) if a.smoke else (cases.FULL_D, cases.FULL_L)
     t_end = time.perf_counter() + a.budget
     rows = []

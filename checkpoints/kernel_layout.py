@@ -17,6 +17,11 @@ The official HF layout stays the import / export format (hf_import, hf_layout, o
     to_official_layout(cfg, params, layouts=None) -> params  (the inverse, bit-exact; before saving / --kernels xla)
     to_tiled_mxfp4(packed [..., N, K/2] uint8, bk) / to_official_mxfp4(tiled, bk)  (one leaf; numpy or jnp)
 
+The LM head: the checkpoint stores it in bf16 and the model's tree holds it in f32 (the reference computes the
+head in f32, and training keeps f32 masters). `head_as_stored(params)` gives the serving tree the checkpoint's bf16
+back when every value is a bf16 (after an HF import or `random_init`; a training master may not be): the same
+values in half the bytes, which the Pallas head reads (dsv41_jax.ops.lm_head).
+
 A converted tree is for the Pallas kernels only (the XLA reference ops read official bytes): `checkpoints.load(...,
 kernel_layout=True)` converts after loading. Conversions are byte permutations within each row's K / 2 bytes: leaf
 shapes, dtypes and shardings (rows / experts / layers) are kept, scales are untouched.
@@ -122,3 +127,25 @@ def to_kernel_layout(cfg, params, layouts: dict | None = None):
 def to_official_layout(cfg, params, layouts: dict | None = None):
     """The inverse of `to_kernel_layout` with the same layouts: the checkpoint's bytes again (bit-exact)."""
     return _convert(cfg, params, layouts, _FROM)
+
+
+def head_as_stored(params):
+    """(tree, converted): the tree with the LM head in bf16 when its f32 values are all bf16 (exact: no value
+    changes), else the tree as given. New containers; the input tree and its leaves are not modified. Abstract
+    leaves (jax.ShapeDtypeStruct: lowering only) are taken as convertible."""
+    import jax
+    import jax.numpy as jnp
+
+    w = params.get("head", {}).get("weight")
+    if w is None or w.dtype != jnp.float32:
+        return params, False
+    sharding = getattr(w, "sharding", None)
+    if isinstance(w, jax.ShapeDtypeStruct):
+        wb = jax.ShapeDtypeStruct(w.shape, jnp.bfloat16, sharding=sharding)
+    else:
+        wb = jax.jit(lambda a: a.astype(jnp.bfloat16), out_shardings=sharding)(w)
+        if not bool(jax.jit(lambda a, b: jnp.array_equal(a, b.astype(jnp.float32)))(w, wb)):
+            return params, False
+    out = dict(params)
+    out["head"] = {**params["head"], "weight": wb}
+    return out, True

@@ -187,8 +187,7 @@ def block_logits(cfg: ModelConfig, params, tokens, bpos, attend, ex: ops.ExecCon
         y, _ = ops.moe(ex, dcfg, lp["ffn"], x)
         h, pre = layers.hc_post(y, h, f_post, f_comb), f_pre
     x = layers.hc_pre(h, pre)
-    logits = layers.mm(layers.rms_norm(cfg, x, dp["norm"]["weight"]).astype(F32),
-                       params["head"]["weight"].astype(F32), "...i,vi->...v")
+    logits = ops.lm_head(ex, layers.rms_norm(cfg, x, dp["norm"]["weight"]), params["head"]["weight"])
     return x, logits
 
 

@@ -439,8 +439,11 @@ def step_impl(cfg: ModelConfig, params, state: KVState, inp: ChunkInputs, *, fre
     fin = res.take_rows(lrows).settled(cfg)
     with jax.named_scope("head"):
         x = layers.rms_norm(cfg, layers.hc_pre(fin.h, fin.pre), params["norm"]["weight"])
-        hd = jnp.bfloat16 if (ex.hooks is not None and ex.hooks.head_bf16) else F32
-        logits = layers.mm(x.astype(hd), params["head"]["weight"].astype(hd), "...i,vi->...v")
+        if ex.hooks is not None and ex.hooks.head_bf16:
+            logits = layers.mm(x.astype(jnp.bfloat16), params["head"]["weight"].astype(jnp.bfloat16),
+                               "...i,vi->...v")
+        else:
+            logits = ops.lm_head(ex, x, params["head"]["weight"])
     if feats is not None:
         R = feats.shape[1]
         i = jnp.arange(R, dtype=jnp.int32)[None]

@@ -55,7 +55,7 @@ from pallas_kernels import sparse_attention as attn_kernel
 KERNEL_CHOICES = ("xla", "pallas")
 # Ops whose XLA implementation also runs inside a Pallas program (same operands and KV layout), so that a context
 # may keep them on XLA where their kernel loses (ExecContext.xla_ops).
-XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write")
+XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write", "lm_head")
 # What `--kernels auto` keeps on XLA: the fused kernels that measured slower than XLA's fusions on the H200
 # (bench/results/fused_kernels_h200.json, in-program loop time per call at D = 5120: Mega-mHC 72.9 us vs 27.8 at
 # 1 row, 1159 vs 34.7 at 256; Mega-Gate (384 experts) 43.2 vs 21.5 at 1 row, 94.6 vs 66.3 at 256; ring_write
@@ -283,6 +283,12 @@ def _pallas_hc_boundary(cfg, res: Residual, w, sub: str, quantize: bool):
             mix.reshape(B, T, -1))
 
 
+def _pallas_lm_head(x, w):
+    """The head on the bf16 weight the checkpoint stores: f32 x split into three bf16 terms (gemm.matmul_f32x)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return gemm.matmul_f32x(x2, w).reshape(*x.shape[:-1], w.shape[0])
+
+
 def _pallas_hc_coefficients(cfg, m, scale, base, layer=None):
     """The Sinkhorn of the mixes in one kernel (the XLA boundary's while loop is ~4 launches per iteration);
     with `layer`, scale / base are the layer stacks, read in place."""
@@ -317,6 +323,7 @@ PALLAS_OPS: dict[str, object] = {
     "ring_write": _pallas_ring_write,  # FP8 quantise + pack + in-place store of the SWA entries
     "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
     "hc_coefficients": _pallas_hc_coefficients,  # the Sinkhorn alone, inside XLA's boundary (and the draft's mixes)
+    "lm_head": _pallas_lm_head,  # f32 logits from the bf16-stored head, read once (gemm.matmul_f32x)
 }
 
 
@@ -456,6 +463,17 @@ def linear(ex: ExecContext, cfg, p, x, split: str | None = None, xq=None):
 def lin(ex: ExecContext):
     """`linear` bound to a context: what the reference building blocks take as their `lin` argument."""
     return partial(linear, ex)
+
+
+def lm_head(ex: ExecContext, x, w):
+    """f32 logits = x @ w^T in f32 (the reference's head). w is the head as the model holds it: f32, or bf16 where
+    the loader kept the checkpoint's dtype (`checkpoints.kernel_layout.head_as_stored`: exact, its values are bf16).
+    A bf16 head runs the Pallas kernel (half the bytes of the f32 GEMM, the same products) when the context has
+    it and the head is not split by tensor parallelism; otherwise XLA's f32 GEMM on f32(w)."""
+    impl = _impl(ex, "lm_head")
+    if impl is not None and w.dtype == BF16 and not ex.tp:
+        return impl(x.astype(F32), w)
+    return layers.mm(x.astype(F32), w.astype(F32), "...i,vi->...v")
 
 
 def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):

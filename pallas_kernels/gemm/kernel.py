@@ -245,3 +245,28 @@ def matmul(x, w, *, scale=None, layer=None, x_scale=None, quantize_x: bool = Fal
         x = dequant_x(x, x_scale)
     x = x if quantize_x else x.astype(BF16)  # quantize_x: the kernel rounds x onto the grid (from f32 if given)
     return _matmul_pallas(x, w3, codes, layer_arr, blk=blk, interpret=interpret, quantize=quantize_x)
+
+
+# ----------------------------------------------------------------------------- f32 activations, bf16 weights
+def split_bf16x3(x):
+    """x f32 -> (hi, mid, lo) bf16 with hi + mid + lo == x exactly: hi = bf16(x) holds x's top 8 significant bits,
+    the f32 remainder x - hi is exact and holds at most 16 more, mid takes 8 of them and lo the rest (for normal x
+    whose remainders stay above bf16's smallest normal, ~1e-38: activations after an RMSNorm are far above it)."""
+    x = x.astype(F32)
+    hi = x.astype(BF16)
+    r = x - hi.astype(F32)
+    mid = r.astype(BF16)
+    return hi, mid, (r - mid.astype(F32)).astype(BF16)
+
+
+def matmul_f32x(x, w, *, interpret=None, block: GemmBlock | None = None):
+    """y [M, N] f32 = x [M, K] f32 @ w [N, K] bf16 ^T with every product exact, reading w once: x's three bf16
+    terms (split_bf16x3) are stacked as 3M rows of one bf16 GEMM (products bf16 x bf16, exact in f32; f32
+    accumulation) and their rows summed in f32. The LM head: the checkpoint stores it in bf16 and the reference
+    computes in f32 (dsv41_jax.ops.lm_head), so this reads half the bytes of an f32 GEMM and differs from
+    x @ f32(w)^T only in the summation order (|y - ref| <= ~1e-5 * sum_k |x_k w_k|, tests/kernels)."""
+    if w.dtype != BF16 or w.ndim != 2 or x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul_f32x: x [M, K] and w [N, K] bf16, got x {x.shape} w {w.shape} {w.dtype}")
+    M = x.shape[0]
+    y = matmul(jnp.concatenate(split_bf16x3(x), axis=0), w, interpret=interpret, block=block)
+    return (y[:M] + y[M:2 * M]) + y[2 * M:]

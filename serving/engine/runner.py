@@ -144,6 +144,10 @@ class Runner:
                 from checkpoints.sharding import place
 
                 params = place(cfg, params, mesh, self.par)
+        if self.ex.pallas and "lm_head" not in self.ex.xla_ops and not self.ex.tp:
+            from checkpoints.kernel_layout import head_as_stored
+
+            params, _ = head_as_stored(params)  # the Pallas head reads the checkpoint's bf16 (ops.lm_head)
         self.params = params
         self.S = args.max_num_seqs
         self.n_r2 = source_slots(cfg)[1].get("src_r2", 0)
