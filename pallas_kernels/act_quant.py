@@ -41,25 +41,10 @@ def to_e4m3(b, scale):
     return jnp.clip(b / scale[..., None], -FP8_MAX, FP8_MAX).astype(E4M3)
 
 
-def encode_blocks(b, amax=None):
-    """f32 blocks [..., 32] -> (E4M3 values [..., 32], UE8M0 codes int32 [...], f32 scales 2^(code - 127) [...]).
-    amax: the blocks' max |b| if the caller computed it in another form (`halving_max`); a max is exact in any
-    order, so every form gives the same values."""
-    code, scale = block_scale(jnp.max(jnp.abs(b), axis=-1) if amax is None else amax)
+def encode_blocks(b):
+    """f32 blocks [..., 32] -> (E4M3 values [..., 32], UE8M0 codes int32 [...], f32 scales 2^(code - 127) [...])."""
+    code, scale = block_scale(jnp.max(jnp.abs(b), axis=-1))
     return to_e4m3(b, scale), code, scale
-
-
-def halving_max(a):
-    """max over the last axis (a power of two) as log2(n) elementwise maxima of its halves: no reduce op, so XLA
-    fuses it into each consumer (FP8 quantisation becomes two loop fusions instead of a reduction and two more);
-    Triton kernels keep jnp.max."""
-    n = a.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"halving_max: last axis {n} is not a power of two")
-    while a.shape[-1] > 1:
-        h = a.shape[-1] // 2
-        a = jnp.maximum(a[..., :h], a[..., h:])
-    return a[..., 0]
 
 
 def _u8(q, shape):

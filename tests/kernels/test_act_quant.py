@@ -172,13 +172,3 @@ def test_all_rows_routed_lowers_without_zeros():
                                               interpret=False),
             sd((6, 2304), jnp.bfloat16), sd((16, 5120, 1152), jnp.uint8), sd((16, 5120, 72), jnp.uint8), gs)
         assert ("stablehlo.constant dense<0.000000e+00>" in text) != routed
-
-
-def test_halving_max_equals_max_and_rejects_odd_widths():
-    """quant.fp8_encode's amax form (no reduce op, for XLA's fusions) equals jnp.max on random signed values."""
-    x = raw_rows(jax.random.key(3), 5, 256, jnp.float32).reshape(5, 8, 32)
-    for a in (x, jnp.abs(x), x.reshape(5, 4, 64), -jnp.abs(x)):
-        np.testing.assert_array_equal(np.asarray(act_quant.halving_max(a)), np.asarray(jnp.max(a, axis=-1)))
-    with pytest.raises(ValueError, match="power of two"):
-        act_quant.halving_max(jnp.ones((2, 24)))
-
