@@ -194,9 +194,11 @@ def compile_dir(d: Path):
         res = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", str(cub)], capture_output=True, text=True).stdout
         regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
         local = len(re.findall(r"\b(?:STL|LDL)\b", sass))  # spill traffic: local-memory loads and stores
-        if not m["loop_bytes"]:  # not a weight GEMM: registers and spills only
+        if not m["loop_bytes"]:  # not a weight GEMM: registers, spills and the whole kernel's static opcode mix
+            allc = collections.Counter(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass))
+            mix = " ".join(f"{o}:{allc[o]}" for o in ("HMMA", "FFMA", "LDS", "STS", "SHFL", "BAR", "MUFU") if allc[o])
             print(f"{name:60s} regs {regs.group(1) if regs else '?':>3s} stack {stack.group(1) if stack else '?':>5s} "
-                  f"local-memory instructions {local:5d}", flush=True)
+                  f"local-memory instructions {local:5d} | all {sum(allc.values()):6d} {mix}", flush=True)
             continue
         c = loop_counts(sass)
         per = sum(c.values()) * 32 * m["num_warps"] / m["loop_bytes"]

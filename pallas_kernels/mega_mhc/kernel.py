@@ -109,6 +109,14 @@ def _cols(n):
     return jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
 
 
+def _split3(w):
+    """f32 [r, c] -> three bf16 terms summing to it exactly (pallas_kernels.gemm.kernel.split_bf16x3's rule)."""
+    hi = w.astype(BF16)
+    r = w - hi.astype(F32)
+    mid = r.astype(BF16)
+    return hi, mid, (r - mid.astype(F32)).astype(BF16)
+
+
 def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_out, part):
     """h', the unnormalised hc_pre and the f32 partials of one [bn, dk] chunk, in [bn, bk] steps."""
     hc, D = st.hc, st.D
@@ -140,7 +148,8 @@ def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_
             term = pre[j][:, None] * hf
             xs = term if xs is None else xs + term
             fnj = plt.load(fn_ref.at[layer, pl.ds(z, WIDTH), pl.ds(j * D + d0, st.bk)], mask=frows, other=0.0)
-            m = m + plt.dot(hf, fnj, trans_b=True, allow_tf32=False)
+            for part in _split3(fnj):  # h' is bf16: three bf16 tensor-core dots give the f32 products exactly
+                m = m + plt.dot(hn, part, trans_b=True)
         xb = xs.astype(BF16)
         plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], xb, mask=ok)
         xf = xb.astype(F32)
