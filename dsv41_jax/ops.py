@@ -59,7 +59,10 @@ XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write", "lm
 # What `--kernels auto` keeps on XLA: the fused kernels that measured slower than XLA's fusions on the H200
 # (bench/results/fused_kernels_h200.json, in-program loop time per call at D = 5120: Mega-mHC 72.9 us vs 27.8 at
 # 1 row, 1159 vs 34.7 at 256; Mega-Gate (384 experts) 43.2 vs 21.5 at 1 row, 94.6 vs 66.3 at 256; ring_write
-# 23.8 vs 17.6 at 1 row). `--kernels pallas` runs every kernel. The Sinkhorn kernel (hc_coefficients) stays on
+# 23.8 vs 17.6 at 1 row; Mega-mHC again on an H100 after its tensor-core logits: one launch 31.6, two 24.5, XLA 31.4
+# us at 1 row, and medium's decode ITL with the one-launch form 16.68 / 27.03 ms against 16.52 / 25.15 at
+# B = 1 / 8 with XLA's: bench/results/mega_mhc_ablation_tc_h100.json, decode_medium_fp8_mega_mhc_tc_ab_h100.json).
+# `--kernels pallas` runs every kernel. The Sinkhorn kernel (hc_coefficients) stays on
 # inside XLA's boundary: XLA runs its 19 iterations as a while loop of ~4 kernels each, ~6,000 of a medium decode
 # step's ~9,900 kernels; with the kernel, 3,858 kernels and FP8 ITL 18.1 ms instead of 30.2 at batch 1
 # (bench/results/decode_medium_fp8_sinkhorn_ab_h200.json, profile_decode_medium_fp8_auto*_h200.json).
