@@ -23,8 +23,12 @@ def git_commit() -> str:
     if os.environ.get("DSV41_COMMIT"):  # the device machine gets the tree without .git
         return os.environ["DSV41_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        # a tree that differs from HEAD says so (the device machine's .git can be older than the tree it runs)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + (" + uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
