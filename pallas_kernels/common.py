@@ -227,3 +227,15 @@ def lower_for_h200(fn, *abstract_args):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*abstract_args)
     return exp.mlir_module()
+
+
+def split_bf16x3(x):
+    """x f32 -> (hi, mid, lo) bf16 with hi + mid + lo == x exactly: hi = bf16(x) holds x's top 8 significant bits,
+    the f32 remainder x - hi is exact and holds at most 16 more, mid takes 8 of them and lo the rest (for normal x
+    whose remainders stay above bf16's smallest normal, ~1e-38). Plain jnp: XLA and the Triton lowering both run it
+    (the LM head's x in gemm.matmul_f32x, Mega-mHC's f32 `fn` tiles in-kernel)."""
+    x = x.astype(jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    r = x - hi.astype(jnp.float32)
+    mid = r.astype(jnp.bfloat16)
+    return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)

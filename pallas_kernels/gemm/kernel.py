@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import act_quant
-from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default  # noqa: F401
+from pallas_kernels.common import _widen_for_offsets, check_offsets, e8m0_to_f32, interpret_default, split_bf16x3  # noqa: F401
 from pallas_kernels.fp8dot import check_fp8_tiles
 from pallas_kernels.fp_decode import e4m3_scaled, fp8_scale_bf16
 from pallas_kernels.gemm.block_sizes import DECODES, GemmBlock, pick_gemm_block
@@ -248,17 +248,6 @@ def matmul(x, w, *, scale=None, layer=None, x_scale=None, quantize_x: bool = Fal
 
 
 # ----------------------------------------------------------------------------- f32 activations, bf16 weights
-def split_bf16x3(x):
-    """x f32 -> (hi, mid, lo) bf16 with hi + mid + lo == x exactly: hi = bf16(x) holds x's top 8 significant bits,
-    the f32 remainder x - hi is exact and holds at most 16 more, mid takes 8 of them and lo the rest (for normal x
-    whose remainders stay above bf16's smallest normal, ~1e-38: activations after an RMSNorm are far above it)."""
-    x = x.astype(F32)
-    hi = x.astype(BF16)
-    r = x - hi.astype(F32)
-    mid = r.astype(BF16)
-    return hi, mid, (r - mid.astype(F32)).astype(BF16)
-
-
 def matmul_f32x(x, w, *, interpret=None, block: GemmBlock | None = None):
     """y [M, N] f32 = x [M, K] f32 @ w [N, K] bf16 ^T with every product exact, reading w once: x's three bf16
     terms (split_bf16x3) are stacked as 3M rows of one bf16 GEMM (products bf16 x bf16, exact in f32; f32

@@ -12,9 +12,10 @@ Mixes travel packed as [N, (2+hc)*hc] f32: pre | post | comb (row-major), the la
 Kernel layout: grid (row blocks of `bn` rows, D chunks of `dk` columns, walked in [bn, bk] steps). Phase 1
 (every program) computes its chunk of h' (stored), of the unnormalised hc_pre (stored into x's buffer, bf16 as
 the reference rounds it) and f32 partials per row: the chunk's 24 logit partial sums (h'[bn, bk] is bf16, and
-fn's f32 [32, bk] slice per copy is split into three bf16 terms that sum to it exactly, so three bf16 tensor-core
-dots with f32 accumulation give the f32 products exactly: an f32 FMA dot stalled on its shared-memory operand
-loads, 23.4 -> 6.6 us traced at one row on an H100), sum h'^2 and sum x^2; it stores them in `part` [n_dc, N, 32].
+fn's f32 [32, bk] slice per copy is split into three bf16 terms that sum to it exactly (common.split_bf16x3), so
+three bf16 tensor-core dots with f32 accumulation give the f32 products exactly: an f32 FMA dot stalled on its
+shared-memory operand loads, 23.4 -> 6.6 us traced at one row on an H100), sum h'^2 and sum x^2; it stores
+them in `part` [n_dc, N, 32].
 The epilogue needs every chunk:
   single_launch=False (default): the epilogue as a second kernel with grid (row blocks, chunks) (no atomics);
   single_launch=True: each program bumps its row block's counter (an atomic add, acquire-release, after a CTA
@@ -47,7 +48,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.common import fp8_qdq_block, interpret_default, last_arrival, load_uncached, sum_in_order
+from pallas_kernels.common import (
+    fp8_qdq_block,
+    interpret_default,
+    last_arrival,
+    load_uncached,
+    split_bf16x3,
+    sum_in_order,
+)
 from pallas_kernels.mhc.kernel import WIDTH, _col, _place, coefficients
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -113,14 +121,6 @@ def _cols(n):
     return jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
 
 
-def _split3(w):
-    """f32 [r, c] -> three bf16 terms summing to it exactly (pallas_kernels.gemm.kernel.split_bf16x3's rule)."""
-    hi = w.astype(BF16)
-    r = w - hi.astype(F32)
-    mid = r.astype(BF16)
-    return hi, mid, (r - mid.astype(F32)).astype(BF16)
-
-
 def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_out, part):
     """h', the unnormalised hc_pre and the f32 partials of one [bn, dk] chunk, in [bn, bk] steps."""
     hc, D = st.hc, st.D
@@ -152,7 +152,7 @@ def _phase1(st: _Static, rb, dc, layer, y_ref, h_ref, mix_ref, fn_ref, h_out, x_
             term = pre[j][:, None] * hf
             xs = term if xs is None else xs + term
             fnj = plt.load(fn_ref.at[layer, pl.ds(z, WIDTH), pl.ds(j * D + d0, st.bk)], mask=frows, other=0.0)
-            for part in _split3(fnj):  # h' is bf16: three bf16 tensor-core dots give the f32 products exactly
+            for part in split_bf16x3(fnj):  # h' is bf16: three bf16 tensor-core dots give the f32 products exactly
                 m = m + plt.dot(hn, part, trans_b=True)
         xb = xs.astype(BF16)
         plt.store(x_out.at[pl.ds(r0, st.bn), pl.ds(d0, st.bk)], xb, mask=ok)
