@@ -122,8 +122,47 @@ def inject(engine, B: int, context: int, n_steps: int, rng):
     return out
 
 
-def measure(engine, B, context, steps, warmup, rng):
+def replay(engine, key, inp, n: int) -> dict:
+    """The engine's last decode program call, replayed n times with the same inputs, three ways (ms per call):
+    `dispatch`: host time until the call returns (XLA enqueueing the step's kernels); `sync`: call, then wait
+    for its sampled tokens (a minimal engine that waits each step, no Python scheduling); `async`: n calls
+    back to back, waiting once at the end (what a step costs when the host never waits: async scheduling)."""
+    import jax
+
+    runner = engine.runner
+    jax.block_until_ready(runner.pools)
+    disp, sync = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        res = runner._call(key, inp)
+        t1 = time.perf_counter()
+        jax.block_until_ready(res.packed if res is not None else runner.pools)
+        disp.append(t1 - t0)
+        sync.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        res = runner._call(key, inp)
+    jax.block_until_ready(runner.pools)
+    if res is not None:
+        jax.block_until_ready(res.packed)
+    async_s = (time.perf_counter() - t0) / n
+    return {"replay_dispatch_ms": round(1000 * statistics.median(disp), 3),
+            "replay_sync_ms": round(1000 * statistics.median(sync), 3),
+            "replay_async_ms": round(1000 * async_s, 3)}
+
+
+def measure(engine, B, context, steps, warmup, rng, n_replay: int = 0):
     reqs = inject(engine, B, context, steps + warmup, rng)
+    runner = engine.runner
+    calls = []
+    if n_replay:
+        orig = runner.run
+
+        def spy(key, inp):
+            calls.append((key, inp))
+            return orig(key, inp)
+
+        runner.run = spy
     for _ in range(warmup):
         engine.step()
     ts = []
@@ -134,11 +173,17 @@ def measure(engine, B, context, steps, warmup, rng):
         ts.append(time.perf_counter() - t0)
     h1 = engine.host_time
     host_ms = 1000 * ((h1["step_s"] - h0["step_s"]) - (h1["wait_s"] - h0["wait_s"])) / steps
+    extra = {}
+    if n_replay:
+        del runner.run  # back to the class's method
+        decodes = [(k, i) for k, i in calls if k.kind == "decode"]
+        if decodes:
+            extra = replay(engine, *decodes[-1], n_replay)
     for r in reqs:
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-    return ts, host_ms
+    return ts, host_ms, extra
 
 
 def main(argv=None):
@@ -155,6 +200,9 @@ def main(argv=None):
                     help="after this many s from the start, build no engine (kernel choice) beyond the first; an "
                          "engine that was built measures all its configurations (a few seconds each), so a slow "
                          "compilation never leaves a built engine unmeasured")
+    ap.add_argument("--replay", type=int, default=0,
+                    help="also replay the last decode program call this many times: dispatch, sync and async "
+                         "ms per call (what the step costs without the engine's Python, and without waiting)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -203,7 +251,7 @@ def main(argv=None):
         fill_pools(eng)
         for B in bl:
             for C in contexts:
-                ts, host_ms = measure(eng, B, C, a.steps, a.warmup, rng)
+                ts, host_ms, extra = measure(eng, B, C, a.steps, a.warmup, rng, a.replay)
                 roof = roofline_bytes(cfg, B, C)
                 row = {"preset": a.preset, "weight_format": cfg.weight_format, "kernels": impl, "batch": B,
                        "context": C, "itl_ms": round(1000 * statistics.median(ts), 3),
@@ -211,17 +259,21 @@ def main(argv=None):
                        "host_ms_per_step": round(host_ms, 3),
                        "roofline_ms": round(roof["total"] / COPY_GBS / 1e6, 4),
                        "roofline_bytes": int(roof["total"]), "kv_bytes": int(roof["kv"]),
-                       "active_experts": round(roof["active_experts"], 2), "engine_build_s": round(build, 1)}
+                       "active_experts": round(roof["active_experts"], 2), "engine_build_s": round(build, 1),
+                       **extra}
                 row["over_roofline"] = round(row["itl_ms"] / max(row["roofline_ms"], 1e-9), 2)
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
                 save()
         del eng
     save()
-    print(f"{'fmt':>5} {'kernels':>7} {'B':>3} {'context':>7} {'ITL ms':>8} {'roof ms':>8} {'x roof':>6}")
+    print(f"{'fmt':>5} {'kernels':>7} {'B':>3} {'context':>7} {'ITL ms':>8} {'roof ms':>8} {'x roof':>6}"
+          + (f" {'dispatch':>8} {'sync':>8} {'async':>8}" if a.replay else ""))
     for r in rows:
         print(f"{r['weight_format']:>5} {r['kernels']:>7} {r['batch']:>3} {r['context']:>7} {r['itl_ms']:>8} "
-              f"{r['roofline_ms']:>8} {r['over_roofline']:>6}")
+              f"{r['roofline_ms']:>8} {r['over_roofline']:>6}"
+              + (f" {r.get('replay_dispatch_ms', '-'):>8} {r.get('replay_sync_ms', '-'):>8} "
+                 f"{r.get('replay_async_ms', '-'):>8}" if a.replay else ""))
     return rows
 
 
