@@ -200,6 +200,9 @@ def main(argv=None):
                     help="after this many s from the start, build no engine (kernel choice) beyond the first; an "
                          "engine that was built measures all its configurations (a few seconds each), so a slow "
                          "compilation never leaves a built engine unmeasured")
+    ap.add_argument("--scheduling", default="async",
+                    help="comma list of async | sync: each configuration measured with the engine's async "
+                         "scheduling and with its collect-first steps (serving/engine/device_tokens.py)")
     ap.add_argument("--replay", type=int, default=0,
                     help="also replay the last decode program call this many times: dispatch, sync and async "
                          "ms per call (what the step costs without the engine's Python, and without waiting)")
@@ -249,28 +252,36 @@ def main(argv=None):
         eng = Engine(cfg, args, params=params, progress=True, programs=lambda k: k.kind == "decode")
         build = time.perf_counter() - t0
         fill_pools(eng)
-        for B in bl:
-            for C in contexts:
-                ts, host_ms, extra = measure(eng, B, C, a.steps, a.warmup, rng, a.replay)
-                roof = roofline_bytes(cfg, B, C)
-                row = {"preset": a.preset, "weight_format": cfg.weight_format, "kernels": impl, "batch": B,
-                       "context": C, "itl_ms": round(1000 * statistics.median(ts), 3),
-                       "itl_ms_p90": round(1000 * float(np.percentile(ts, 90)), 3),
-                       "host_ms_per_step": round(host_ms, 3),
-                       "roofline_ms": round(roof["total"] / COPY_GBS / 1e6, 4),
-                       "roofline_bytes": int(roof["total"]), "kv_bytes": int(roof["kv"]),
-                       "active_experts": round(roof["active_experts"], 2), "engine_build_s": round(build, 1),
-                       **extra}
-                row["over_roofline"] = round(row["itl_ms"] / max(row["roofline_ms"], 1e-9), 2)
-                rows.append(row)
-                print(row, file=sys.stderr, flush=True)
-                save()
+        feedback = eng.device_tokens
+        for B, C, sched in [(B, C, s) for B in bl for C in contexts for s in a.scheduling.split(",")]:
+            if sched not in ("async", "sync"):
+                raise SystemExit(f"--scheduling: async or sync, not {sched!r}")
+            if sched == "async" and feedback is None:
+                print(f"{impl}: async scheduling unavailable", file=sys.stderr, flush=True)
+                continue
+            eng.device_tokens = feedback if sched == "async" else None
+            ts, host_ms, extra = measure(eng, B, C, a.steps, a.warmup, rng, a.replay)
+            roof = roofline_bytes(cfg, B, C)
+            row = {"preset": a.preset, "weight_format": cfg.weight_format, "kernels": impl, "scheduling": sched,
+                   "batch": B,
+                   "context": C, "itl_ms": round(1000 * statistics.median(ts), 3),
+                   "itl_ms_p90": round(1000 * float(np.percentile(ts, 90)), 3),
+                   "host_ms_per_step": round(host_ms, 3),
+                   "roofline_ms": round(roof["total"] / COPY_GBS / 1e6, 4),
+                   "roofline_bytes": int(roof["total"]), "kv_bytes": int(roof["kv"]),
+                   "active_experts": round(roof["active_experts"], 2), "engine_build_s": round(build, 1),
+                   **extra}
+            row["over_roofline"] = round(row["itl_ms"] / max(row["roofline_ms"], 1e-9), 2)
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+            save()
         del eng
     save()
-    print(f"{'fmt':>5} {'kernels':>7} {'B':>3} {'context':>7} {'ITL ms':>8} {'roof ms':>8} {'x roof':>6}"
+    print(f"{'fmt':>5} {'kernels':>7} {'sched':>5} {'B':>3} {'context':>7} {'ITL ms':>8} {'roof ms':>8} {'x roof':>6}"
           + (f" {'dispatch':>8} {'sync':>8} {'async':>8}" if a.replay else ""))
     for r in rows:
-        print(f"{r['weight_format']:>5} {r['kernels']:>7} {r['batch']:>3} {r['context']:>7} {r['itl_ms']:>8} "
+        print(f"{r['weight_format']:>5} {r['kernels']:>7} {r['scheduling']:>5} {r['batch']:>3} {r['context']:>7} "
+              f"{r['itl_ms']:>8} "
               f"{r['roofline_ms']:>8} {r['over_roofline']:>6}"
               + (f" {r.get('replay_dispatch_ms', '-'):>8} {r.get('replay_sync_ms', '-'):>8} "
                  f"{r.get('replay_async_ms', '-'):>8}" if a.replay else ""))

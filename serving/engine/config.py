@@ -131,6 +131,11 @@ class EngineArgs:
         "compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch (the step under "
         "jax.disable_jit(): ~60K op dispatches per medium step, the day-0 baseline; its ops go to the persistent "
         "compilation cache too)", choices=EXECUTIONS))
+    async_scheduling: bool = field(default=True, metadata=cli(
+        "dispatch each step before collecting the previous one: a decode row takes the token still on the device "
+        "(serving/engine/device_tokens.py), so the host's scheduling and kernel launches overlap the device's step; "
+        "steps with a structured-output request, speculative decoding, host Engram tables and TP / DP meshes "
+        "collect first (--no-async-scheduling: always)"))
     kernels: str = field(default="auto", metadata=cli(
         "auto: the Pallas kernels on a GPU where they serve the model (bf16 compute, FP8/FP4 KV, window a multiple "
         "of 64, compiled execution; under TP and DP / DEP too) except the fused ones measured slower than XLA's "

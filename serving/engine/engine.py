@@ -14,6 +14,14 @@ A step, pipelined so the host overlaps the device:
 `step()` therefore returns the outputs of the step dispatched by the previous call; `has_unfinished()` counts
 a dispatched step until it is collected.
 
+Async scheduling (--async-scheduling, the default): 2 runs before 1, so the host schedules and launches step j
+while the device still runs step j-1. A decode whose last token is still in flight takes it from the device
+(serving/engine/device_tokens.py: each sampling call scatters its tokens into a per-slot device vector, each
+decode call patches its rows from it); its RNG counter counts the in-flight token. A stop found in 1 costs the
+row that step j computed for the request (dropped, as an abort in flight). A step collects first (the order
+above) while a running request has a grammar (its mask needs the token), and always with speculative decoding,
+host Engram tables, a TP / DP mesh or several hosts (`_device_tokens`).
+
 Speculative decoding (--speculative-config): in 2, the proposer drafts up to `plan.spec` tokens for each decode
 from the tokens collected in 1, and the decodes run as one `verify[B]` call (a plain `decode[B]` call when no
 request got a draft); in 1, each request appends its accepted drafts and the target's token, one at a time
@@ -56,6 +64,7 @@ from serving.engine.block_hash import BLOCK
 from serving.engine.chunk_plan import ChunkPlan
 from serving.engine.config import EngineArgs
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.device_tokens import DeviceTokens
 from serving.engine.dp import Placement, Rank, chunk_groups, decode_rows
 from serving.engine.engram_host import EngramFeeder, load_host_model, tables_to_host
 from serving.engine.host_tier import HostTier
@@ -216,6 +225,7 @@ class Engine:
                                        gather_threads=e.gather_threads, prefetch=e.prefetch, eager=not self.runner.dp,
                                        pinned=e.pinned_staging, in_call=e.rows_in_call,
                                        max_spans=4 * self.args.max_num_seqs * self.runner.n_ranks + 16)
+        self.device_tokens = self._device_tokens()
         self.host_tier = self._host_tier()
         self.ranks = [self._new_rank(i) for i in range(self.runner.n_ranks)]
         self.pool, self.scheduler, self.snapshots = self.ranks[0].pool, self.ranks[0].scheduler, self.ranks[0].snapshots
@@ -227,6 +237,26 @@ class Engine:
         self._step_requests: list[str] | None = None
         self._grammars = None  # structured outputs: a GrammarCompiler, made on first use
         self.host_time = {"steps": 0, "wait_s": 0.0, "step_s": 0.0}  # wall time in step() and waiting on results
+
+    def _device_tokens(self) -> DeviceTokens | None:
+        """Async scheduling's token feedback (module docstring); None where every step collects before it
+        schedules."""
+        a, r = self.args, self.runner
+        if not a.async_scheduling or r.mesh is not None or a.speculative is not None or self.engram is not None \
+                or jax.process_count() > 1:
+            return None
+        try:
+            dt = DeviceTokens(r.S + 1, self.hasher)
+        except ValueError as e:  # Engram primes beyond the device hash's range
+            log.warning("async scheduling off: %s", e)
+            return None
+        dt.warm(r)  # its small programs compiled now, not mid-serving
+        return dt
+
+    def _async_step(self) -> bool:
+        """Dispatch before collecting (module docstring): no running request needs its last token on the host."""
+        return self.device_tokens is not None and not any(
+            r.out.grammar is not None for rank in self.ranks for r in rank.scheduler.running)
 
     def _host_tier(self) -> HostTier | None:
         a = self.args
@@ -395,16 +425,19 @@ class Engine:
         A failing program call fails only the requests it carried."""
         t0 = time.perf_counter()
         touched: list[Request] = []
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            self._step_requests = [r.request_id for r in inflight.requests()]
-            touched += self._collect(inflight)
+        previous, self._inflight = self._inflight, None
+        if previous is not None and not self._async_step():
+            self._step_requests = [r.request_id for r in previous.requests()]
+            touched += self._collect(previous)
+            previous = None
         self._step_requests = None  # scheduling: not known yet
         plans = [p for r in self.ranks for p in r.scheduler.schedule()]
         self._step_requests = [p.req.request_id for p in plans]
         if plans:
             self._inflight = self._dispatch(plans)
             touched += [p.req for p in plans if not p.sample]  # non-sampling chunks: nothing to wait for
+        if previous is not None:  # async scheduling: step j-1's tokens, while step j runs
+            touched += self._collect(previous)
         outs, seen = [], set()
         for req in touched:
             if req.request_id in seen:
@@ -506,6 +539,9 @@ class Engine:
             if call.pending is None:
                 continue
             t0 = time.perf_counter()
+            for p in call.plans:
+                if p.sample:  # its token leaves the device now (or never: a failure)
+                    p.req.in_flight -= 1
             try:
                 out = call.pending.get()
             except Exception as e:  # noqa: BLE001 - an asynchronous device failure surfaced here
@@ -549,38 +585,56 @@ class Engine:
         if req.status != FINISHED:
             self._publish(req)  # the pages the accepted tokens completed (their block hashes now exist)
 
-    def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
-        if self.hasher is None:
-            return None
+    def _history(self, req: Request, pos0: int) -> np.ndarray:
+        """[1, n-1] compressed ids of the Engram lookbacks before position pos0 (-1: before the start)."""
         h = self.hasher.n - 1
         hist = np.full((1, h), -1, np.int64)
         prev = req.tokens[max(pos0 - h, 0):pos0]
         if prev:
             hist[0, h - len(prev):] = self.hasher.compress(np.asarray(prev))
-        return self.hasher.hash_ids(toks, hist)
+        return hist
 
-    def _fill_row(self, inp, i: int, p: ChunkPlan, drafts: list[int] | None = None):
-        """Row i of a program's inputs from a chunk plan (verify rows: the drafts after the plan's token)."""
+    def _hash_ids(self, req: Request, pos0: int, toks: np.ndarray):
+        if self.hasher is None:
+            return None
+        return self.hasher.hash_ids(toks, self._history(req, pos0))
+
+    def _fill_row(self, inp, i: int, p: ChunkPlan, drafts: list[int] | None = None) -> bool:
+        """Row i of a program's inputs from a chunk plan (verify rows: the drafts after the plan's token).
+        True: a decode row whose token is still on the device (async scheduling: DeviceTokens.patch fills it)."""
         req, c, sm = p.req, inp.chunk, inp.sampling
         inp.slots[i] = req.sched.slot
         pages = req.sched.pages
         inp.page_table[i, :len(pages)] = pages
-        c.tokens[i, :p.n] = req.tokens[p.pos0:p.end]
+        on_device = p.is_decode and p.pos0 >= len(req.tokens)
+        if not on_device:
+            c.tokens[i, :p.n] = req.tokens[p.pos0:p.end]
         if drafts:
             c.tokens[i, p.n:p.n + len(drafts)] = drafts
-        if c.engram_ids is not None:  # the drafts' rows hashed as the continuation they propose
+        if c.engram_ids is not None and not on_device:  # the drafts' rows hashed as the continuation they propose
             c.engram_ids[i] = self._hash_ids(req, p.pos0, c.tokens[i:i + 1])[0]
         c.pos0[i], c.n_valid[i] = p.pos0, p.n + len(drafts or ())
         c.enc_clip[i], c.dec_clip[i], c.write_from[i] = p.enc_clip, p.dec_clip, p.write_from
         sp = req.sampling
         sm.temperature[i], sm.top_k[i], sm.top_p[i], sm.min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-        sm.seed[i], sm.counter[i] = req.seed, req.counter
+        sm.seed[i], sm.counter[i] = req.seed, req.counter + req.in_flight
         grammar = req.out.grammar
         if grammar is not None and p.sample:  # the grammar state is current: the last token was collected
             grammar.fill(sm.allowed[i])
         if sm.next_ids is not None:
             nxt = req.tokens[p.pos0 + 1:p.end + 1]
             sm.next_ids[i, :len(nxt)] = nxt
+        return on_device
+
+    def _sampled(self, pending: PendingOutputs | None, inp, plans: list[ChunkPlan]):
+        """After a call's dispatch: its sampled tokens are in flight (and, async, recorded on the device)."""
+        if pending is None:
+            return
+        for p in plans:
+            if p.sample:
+                p.req.in_flight += 1
+        if self.device_tokens is not None:
+            self.device_tokens.record(pending, inp.slots)
 
     def _advance(self, p: ChunkPlan):
         """Host-side progress once a chunk is dispatched: positions, decoder clip, prefix-cache pages."""
@@ -597,6 +651,7 @@ class Engine:
         for row, p in zip(rows, plans):
             self._fill_row(inp, row, p)
         pending = self.runner.run(key, self._engram_rows(inp, rows, plans))
+        self._sampled(pending, inp, plans)
         for p in plans:
             self._advance(p)
         return pending
@@ -614,9 +669,14 @@ class Engine:
         else:
             key = ProgramKey(VERIFY, bucket, spec=self.args.speculative.num_speculative_tokens)
         inp = self.runner.inputs(key)
-        for j, (row, p) in enumerate(zip(rows, plans)):
-            self._fill_row(inp, row, p, None if drafts is None else drafts[j])
+        on_device = [row for j, (row, p) in enumerate(zip(rows, plans))
+                     if self._fill_row(inp, row, p, None if drafts is None else drafts[j])]
+        if on_device:
+            hist = None if self.hasher is None else np.concatenate(
+                [self._history(p.req, p.pos0) for row, p in zip(rows, plans) if row in on_device])
+            inp = self.device_tokens.patch(inp, on_device, hist)
         pending = self.runner.run(key, self._engram_rows(inp, rows, plans))
+        self._sampled(pending, inp, plans)
         for p in plans:
             self._advance(p)
         return pending

@@ -2,7 +2,8 @@
 
 - `Request` itself: identity and inputs that never change after admission to the engine (id, prompt, sampling
   parameters, session, salt, the resolved sampling seed), plus the token list (prompt + generated, appended by
-  the output path), the per-request RNG counter and, with the DSpark draft, its latest proposal (`drafts`).
+  the output path), the per-request RNG counter, the count of sampled tokens still on the device (`in_flight`,
+  async scheduling) and, with the DSpark draft, its latest proposal (`drafts`).
 - `SchedState` (`req.sched`): what the scheduler owns: status, progress, pages, ring slot, prefix-cache and
   replay bookkeeping. Only the scheduler writes it (the engine reports a dispatched chunk, a published
   page or an appended token through `Scheduler.advance` / `publish` / `token_appended`).
@@ -74,6 +75,7 @@ class Request:
     callback: object = None
     seed: int = 0  # the sampling seed (the request's, or one drawn from the engine's --seed stream)
     counter: int = 0  # sampling step counter (per-request RNG stream)
+    in_flight: int = 0  # tokens sampled by dispatched calls and not yet appended (async scheduling: at most 1)
     drafts: list[int] = field(default_factory=list)  # DSpark: the device draft's proposal after tokens[-1]
     end_session: bool = False  # the client's end-of-session hint: the session's retention ends with this request
     sched: SchedState = field(default_factory=SchedState)

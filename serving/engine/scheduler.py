@@ -24,6 +24,10 @@ Speculative decoding (--speculative-config): a decode also reserves budget and p
 rows (k, fewer near max_tokens / max_model_len, none for structured outputs, whose grammar masks only the next
 token); its position advances by one at dispatch, and by the accepted drafts when the verification comes back
 (`accepted`): pages are published only below accepted positions.
+
+Async scheduling (serving.engine.device_tokens): `schedule()` may run while a request's last sampled token is
+still on the device (`req.in_flight`). Its decode plan then starts at len(req.tokens), the position of that
+token, and it is not scheduled when that token is its last by max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ class Scheduler:
         generated = len(req.tokens) - req.n_prompt
         room = min(req.sampling.max_tokens - generated, self.args.max_model_len - len(req.tokens))
         return max(0, min(sp.num_speculative_tokens, room - 1))
+
+    def _continues(self, req: Request) -> bool:
+        """Async scheduling: whether a request whose sampled token is still in flight may decode after it (stop
+        tokens and strings are only known when it arrives; the lengths are known now)."""
+        n = len(req.tokens) + req.in_flight
+        return n - req.n_prompt < req.sampling.max_tokens and n < self.args.max_model_len
 
     def release(self, req: Request, now: float | None = None):
         now = time.perf_counter() if now is None else now
@@ -197,6 +207,8 @@ class Scheduler:
                     continue
                 spec = 0
             else:
+                if req.in_flight and not self._continues(req):
+                    continue  # its token on the device is its last (length): nothing more to compute
                 n = 1
                 spec = min(self.spec_tokens(req), budget - 1)
             while not self._grow(req, req.sched.num_computed + n + spec, now):

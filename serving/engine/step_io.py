@@ -146,6 +146,11 @@ def _layout(B: int, T: int, all_logits: bool, verify: bool = False, drafts: int 
     return out
 
 
+def packed_width(T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> int:
+    """int32 columns of a program's packed outputs (`pack_outputs`); column 0 holds the sampled tokens."""
+    return sum(int(np.prod(shape)) if shape else 1 for _, shape, _ in _layout(1, T, all_logits, verify, drafts))
+
+
 def pack_outputs(out: StepOutputs, T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> jax.Array:
     """Device side: every field of `out` (jax arrays) into one int32 [B, width] array."""
     parts = []
