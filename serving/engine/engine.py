@@ -431,10 +431,16 @@ class Engine:
             touched += self._collect(previous)
             previous = None
         self._step_requests = None  # scheduling: not known yet
-        plans = [p for r in self.ranks for p in r.scheduler.schedule()]
-        self._step_requests = [p.req.request_id for p in plans]
+        try:
+            plans = [p for r in self.ranks for p in r.scheduler.schedule()]
+            self._step_requests = [p.req.request_id for p in plans]
+            if plans:
+                self._inflight = self._dispatch(plans)
+        except BaseException:
+            if previous is not None:  # async: still to collect; the next step does (its requests carry on)
+                self._inflight = previous
+            raise
         if plans:
-            self._inflight = self._dispatch(plans)
             touched += [p.req for p in plans if not p.sample]  # non-sampling chunks: nothing to wait for
         if previous is not None:  # async scheduling: step j-1's tokens, while step j runs
             touched += self._collect(previous)
