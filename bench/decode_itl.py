@@ -21,6 +21,7 @@ Prints a short table last.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -188,7 +189,7 @@ def measure(engine, B, context, steps, warmup, rng, n_replay: int = 0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.decode_itl")
-    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--preset", default="medium", help="a preset (random weights) or a checkpoint directory")
     ap.add_argument("--weight-format", default=None, help="bf16 | fp8 (None: the preset's)")
     ap.add_argument("--kernels", default="xla,pallas")
     ap.add_argument("--batches", default="1,8,32")
@@ -221,9 +222,14 @@ def main(argv=None):
     batches = [int(x) for x in a.batches.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
     kw = {"weight_format": a.weight_format} if a.weight_format else {}
-    cfg = ModelConfig.preset(a.preset, **kw)
     t0 = time.perf_counter()
-    params = checkpoints.random_init(cfg, 0)
+    if os.path.isdir(a.preset):  # a checkpoint (e.g. the embedded default model)
+        from serving.engine.engine import load_model
+
+        cfg, params = load_model(a.preset, weight_format=a.weight_format)
+    else:
+        cfg = ModelConfig.preset(a.preset, **kw)
+        params = checkpoints.random_init(cfg, 0)
     jax.block_until_ready(params)
     print(f"params ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     mml = -(-(max(contexts) + a.steps + a.warmup + 64) // 64) * 64
