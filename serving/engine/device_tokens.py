@@ -19,7 +19,7 @@ host). On the device, without int64: the host sends, per (layer, n-gram size), t
 products as two uint32 words; the unknown token's product c * m0 comes from a [layers, compressed vocab] table of
 uint32 pairs; the 64-bit value is reduced modulo each head's prime by a byte-wise Horner scheme in uint32 (exact
 for primes < 2^24), and the floor modulo of a negative int64 (numpy's `%`) by subtracting 2^64 mod p. The result
-equals `EngramHasher.hash_ids` (tests/engine/test_device_tokens.py).
+equals `EngramHasher.hash_ids` (tests/test_device_tokens.py).
 """
 
 from __future__ import annotations
