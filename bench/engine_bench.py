@@ -48,6 +48,8 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kernels", default="xla", choices=KERNEL_CHOICES, help="the engine's kernel choice")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="the engine's async scheduling (serving/engine/device_tokens.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if os.path.isdir(a.preset):  # a checkpoint (e.g. the embedded default model)
@@ -56,7 +58,7 @@ def main():
         cfg, params = ModelConfig.preset(a.preset), None
     args = EngineArgs(max_model_len=a.max_model_len, max_num_seqs=a.decode_batch, max_num_batched_tokens=a.chunk,
                       prefill_buckets=(cfg.window_size * 4, a.chunk), decode_buckets=(1, a.decode_batch),
-                      enable_prompt_logprobs=False, kernels=a.kernels)
+                      enable_prompt_logprobs=False, kernels=a.kernels, async_scheduling=a.async_scheduling)
     t0 = time.perf_counter()
     eng = Engine(cfg, args, params=params)
     build_s = time.perf_counter() - t0
@@ -82,7 +84,8 @@ def main():
     eng.run_until_done()
     itl = [b - a_ for s in stamps.values() for a_, b in zip(s[1:], s[2:])]
     res = {
-        "preset": a.preset, "kernels": a.kernels, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+        "preset": a.preset, "kernels": a.kernels, "async_scheduling": a.async_scheduling, "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
         "chunk": a.chunk,
         "warmup_s": round(eng.warmup_s, 2), "programs": eng.runner.compile_count, "engine_build_s": round(build_s, 2),
         "cold_ttft_s": [round(x, 4) for x in cold], "warm_ttft_s": [round(x, 4) for x in warm],
