@@ -120,3 +120,67 @@ def test_structured_requests_make_the_step_collect_first(engines):
     finally:
         del eng_async.device_tokens.patch
     assert calls == []
+
+
+class _Failing:
+    """A call's outputs whose copy fails: the failed call itself (it also loses the pools), or a call dispatched
+    after it on those pools."""
+
+    def __init__(self, pending, runner, loses_pools):
+        self.packed, self.runner, self.loses_pools = pending.packed, runner, loses_pools
+
+    def get(self):
+        if self.loses_pools:
+            for v in self.runner.pools.values():
+                v.delete()
+            raise RuntimeError("injected asynchronous failure")
+        raise RuntimeError("ran on the lost pools")
+
+
+def test_an_asynchronous_failure_drops_the_step_dispatched_after_it(engines):
+    """The failure of step j-1 surfaces while step j (dispatched on the same pools) is in flight: the failed
+    request errors, step j is dropped, and the innocent decoding request is recomputed and finishes as in a
+    clean run."""
+    eng, _ = engines
+    rng = np.random.default_rng(3)
+    pa, pc = (rng.integers(3, eng.cfg.vocab_size, n).tolist() for n in (40, 60))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    clean = _serve(eng, [("clean", pa, SamplingParams(max_tokens=10, **greedy), 0)])["clean"]["ids"]
+    runner = eng.runner
+    state = {"armed": False, "failures": 0}
+
+    def run(key, inp):
+        pending = type(runner).run(runner, key, inp)
+        if pending is None:
+            return pending
+        if key.kind == "prefill" and not state["armed"] and not state["failures"]:
+            state["armed"] = True
+            return _Failing(pending, runner, True)
+        return _Failing(pending, runner, False) if state["armed"] else pending
+
+    def on_fail(reqs, e):
+        state["armed"] = False
+        state["failures"] += 1
+        return type(eng)._fail(eng, reqs, e)
+
+    outs = {}
+
+    def cb(o):
+        outs.setdefault(o.request_id, []).append(o)
+
+    eng.add_request("a", pa, SamplingParams(max_tokens=10, **greedy), callback=cb)
+    while not outs.get("a"):
+        eng.step()
+    runner.run, eng._fail = run, on_fail
+    try:
+        eng.add_request("c", pc, SamplingParams(max_tokens=4, **greedy), callback=cb)
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        del runner.run, eng._fail
+    assert state["failures"] == 1
+    assert outs["c"][-1].finished and "injected asynchronous failure" in outs["c"][-1].error
+    assert outs["a"][-1].error is None and outs["a"][-1].finish_reason == "length"
+    assert [t for o in outs["a"] for t in o.new_token_ids] == clean
+    assert all(r.in_flight == 0 for r in eng.scheduler.running)
+    eng.pool.check()

@@ -34,7 +34,8 @@ same sequence of requests after a restart gives the same outputs (as vLLM).
 Failures: a program call that raises fails only the requests it carried (their final output has `error`).
 If the failure consumed the donated device pools (or left them in an error state), the runner rebuilds them,
 the prefix cache and snapshots are dropped (their bytes are gone), and every other running request is
-preempted and recomputed from its tokens: no later step reads poisoned state.
+preempted and recomputed from its tokens: no later step reads poisoned state. With async scheduling a failure
+can surface while the next step, dispatched on the same pools, is in flight: that step is dropped uncollected.
 
 Parallelism (`EngineArgs.tensor_parallel_size` / `data_parallel_size` / `enable_expert_parallel`): the engine
 builds the mesh from its flags (`make_mesh`). Under TP nothing changes here (the runner's programs are
@@ -523,6 +524,11 @@ class Engine:
             return
         log.error("the device pools were lost: rebuilding them; running requests are recomputed")
         self.runner.reset_pools()
+        stale, self._inflight = self._inflight, None  # async: a step dispatched after the failed call read the
+        for call in stale.calls if stale is not None else []:  # lost pools: dropped, its requests recomputed
+            if call.pending is not None:
+                for p in call.plans:
+                    p.req.in_flight -= int(p.sample)
         for rank in self.ranks:
             rank.pool.drop_cache()
             if rank.snapshots is not None:
