@@ -139,6 +139,18 @@ class EngramHasher:
     def hash_ids(self, tokens, history=None) -> np.ndarray:
         """tokens [B, T] raw ids; history [B, n-1] compressed ids of the preceding tokens (oldest first),
         -1 where the sequence had not started. Returns int32 [B, T, E, n_cols]."""
+        prod = self._products(tokens, history)  # [B, T, E, n]
+        rolling = prod[..., 0]
+        cols = []
+        for i in range(1, self.n):
+            rolling = np.bitwise_xor(rolling, prod[..., i])
+            cols.append(rolling[..., None] % self.primes[None, None, :, i - 1, :])
+        ids = np.concatenate(cols, axis=-1) + self.offsets[None, None]
+        return ids.astype(np.int32)
+
+    def _products(self, tokens, history) -> np.ndarray:
+        """[B, T, E, n] int64: each position's lookback k (k = 0: its own token; padded from the first missing
+        lookback on) times the layer's multiplier k."""
         tokens = np.asarray(tokens, dtype=np.int64)
         B, T = tokens.shape
         hist = self.empty_history(B) if history is None else np.asarray(history, dtype=np.int64)
@@ -151,14 +163,15 @@ class EngramHasher:
             blocked = blocked | (src < 0)
             grams.append(np.where(blocked, self.pad, src))
         grams = np.stack(grams, axis=-1)  # [B, T, n]
-        prod = grams[:, :, None, :] * self.mult[None, None]  # [B, T, E, n]
-        rolling = prod[..., 0]
-        cols = []
-        for i in range(1, self.n):
-            rolling = np.bitwise_xor(rolling, prod[..., i])
-            cols.append(rolling[..., None] % self.primes[None, None, :, i - 1, :])
-        ids = np.concatenate(cols, axis=-1) + self.offsets[None, None]
-        return ids.astype(np.int32)
+        return grams[:, :, None, :] * self.mult[None, None]
+
+    def lookback_xor(self, history) -> np.ndarray:
+        """[B, E, n-1] int64 for the position after `history` whose own token is not known yet: for n-gram size
+        k + 1, the XOR of lookbacks 1..k's products. `hash_ids` XORs the token's own product (its compressed id
+        times multiplier 0) into these before the modulo (serving/engine/device_tokens.py does it on the device)."""
+        hist = np.asarray(history, dtype=np.int64)
+        prod = self._products(np.zeros((hist.shape[0], 1), np.int64), hist)[:, 0]  # own token: a placeholder
+        return np.bitwise_xor.accumulate(prod[..., 1:], axis=-1)
 
     def next_history(self, history, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64)

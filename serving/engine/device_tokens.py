@@ -61,20 +61,9 @@ class EngramFeedback:
         self.offsets = jnp.asarray(hasher.offsets.astype(np.int32))  # [E, n_cols]
 
     def known(self, history: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """history [B, n-1] compressed ids before the unknown token (oldest first, -1: before the start) ->
-        (high, low) uint32 [B, E, n-1]: for n-gram size k + 1, the XOR of lookbacks 1..k times their multipliers."""
-        hist = np.asarray(history, np.int64)
-        B, h = hist.shape
-        blocked = np.zeros(B, bool)
-        acc = np.zeros((B, self.h.mult.shape[0]), np.int64)
-        out = []
-        for k in range(1, self.n):
-            src = hist[:, h - k]
-            blocked |= src < 0
-            g = np.where(blocked, self.h.pad, src)
-            acc = np.bitwise_xor(acc, g[:, None] * self.h.mult[None, :, k])
-            out.append(acc.copy())
-        return _split64(np.stack(out, axis=-1))
+        """history [B, n-1] compressed ids before the unknown token -> `EngramHasher.lookback_xor` as (high, low)
+        uint32 words [B, E, n-1]."""
+        return _split64(self.h.lookback_xor(history))
 
     def ids(self, tokens, known_hi, known_lo):
         """Device: tokens [B] int32, known words [B, E, n-1] -> Engram rows [B, E, n_cols] int32."""
@@ -116,7 +105,7 @@ class DeviceTokens:
         if self.engram is None or c.engram_ids is None:
             tokens = self._patch(self.last, inp.slots, mask, c.tokens, None, None, None)
             return replace(inp, chunk=replace(c, tokens=tokens))
-        E, k = self.engram.p_hi.shape[0], self.n - 1
+        E, k = self.engram.p_hi.shape[0], self.engram.n - 1
         hi, lo = np.zeros((B, E, k), np.uint32), np.zeros((B, E, k), np.uint32)
         hi[rows], lo[rows] = self.engram.known(history)
         tokens, ids = self._patch(self.last, inp.slots, mask, c.tokens, c.engram_ids, hi, lo)
@@ -133,13 +122,9 @@ class DeviceTokens:
             packed = jnp.zeros((inp.slots.shape[0], width), jnp.int32)
             self.record(PendingOutputs(packed, key.tokens, key.all_logits), inp.slots)
             if key.kind == DECODE:
-                hist = None if self.engram is None else np.full((1, self.n - 1), -1, np.int64)
+                hist = None if self.engram is None else np.full((1, self.engram.n - 1), -1, np.int64)
                 jax.block_until_ready(self.patch(inp, [0], hist).chunk.tokens)
         jax.block_until_ready(self.last)
-
-    @property
-    def n(self) -> int:
-        return self.engram.n
 
 
 def _scatter_tokens(last, packed, slots):

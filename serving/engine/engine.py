@@ -524,11 +524,10 @@ class Engine:
             return
         log.error("the device pools were lost: rebuilding them; running requests are recomputed")
         self.runner.reset_pools()
-        stale, self._inflight = self._inflight, None  # async: a step dispatched after the failed call read the
-        for call in stale.calls if stale is not None else []:  # lost pools: dropped, its requests recomputed
-            if call.pending is not None:
-                for p in call.plans:
-                    p.req.in_flight -= int(p.sample)
+        if self._inflight is not None:  # async: dispatched after the failed call, it read the lost pools: dropped
+            for p in (p for c in self._inflight.calls if c.pending is not None for p in c.plans if p.sample):
+                p.req.in_flight -= 1  # its requests are recomputed below
+            self._inflight = None
         for rank in self.ranks:
             rank.pool.drop_cache()
             if rank.snapshots is not None:

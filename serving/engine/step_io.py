@@ -148,7 +148,7 @@ def _layout(B: int, T: int, all_logits: bool, verify: bool = False, drafts: int 
 
 def packed_width(T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> int:
     """int32 columns of a program's packed outputs (`pack_outputs`); column 0 holds the sampled tokens."""
-    return sum(int(np.prod(shape)) if shape else 1 for _, shape, _ in _layout(1, T, all_logits, verify, drafts))
+    return sum(int(np.prod(shape)) for _, shape, _ in _layout(1, T, all_logits, verify, drafts))
 
 
 def pack_outputs(out: StepOutputs, T: int, all_logits: bool, verify: bool = False, drafts: int = 0) -> jax.Array:
@@ -166,13 +166,14 @@ def unpack_outputs(packed: np.ndarray, T: int, all_logits: bool, verify: bool = 
     """Host side: the inverse of `pack_outputs` on the transferred numpy array."""
     B = packed.shape[0]
     vals, off = {}, 0
+    if packed.shape[1] != packed_width(T, all_logits, verify, drafts):
+        raise ValueError(f"packed output width {packed.shape[1]} does not match the layout "
+                         f"({packed_width(T, all_logits, verify, drafts)})")
     for name, shape, dt in _layout(B, T, all_logits, verify, drafts):
-        w = int(np.prod(shape)) if shape else 1
+        w = int(np.prod(shape))
         col = packed[:, off:off + w]
         off += w
         vals[name] = (col if dt == np.int32 else col.view(np.float32)).reshape((B, *shape))
-    if off != packed.shape[1]:
-        raise ValueError(f"packed output width {packed.shape[1]} does not match the layout ({off})")
     return StepOutputs(**vals)
 
 
