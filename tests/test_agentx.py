@@ -17,7 +17,7 @@ from bench.agentx.clients import Result, make_client
 from bench.agentx.metrics import parse_prometheus, percentile, server_hit_rate, summarize
 from bench.agentx.prompts import TreePrompts
 from bench.agentx.replay import Clock, ReplayConfig, replay
-from bench.agentx.run import DAY0, build_parser, replay_config, server_flags
+from bench.agentx.run import DAY0, SIDES, build_parser, replay_config, server_flags
 from bench.agentx.traces import PerfectCache, load_traces, parse_trace, usable
 
 pytestmark = pytest.mark.timeout(300)
@@ -371,8 +371,9 @@ def test_cli_token_client_against_running_server(server, tmp_path, capsys):
     assert [r["concurrency"] for r in summary["rows"]] == [2] and not summary["failures"]
     assert summary["rows"][0]["tpgs"] == res["headline"]["tpgs"]
     assert "TPGS" in capsys.readouterr().out.splitlines()[-2]
-    assert server_flags(DAY0) == ["--no-swa-bounded-replay", "--execution", "eager", "--kernels", "xla",
-                                  "--long-prefill-token-threshold", "0", "--prefill-schedule-interval", "1"]
+    assert server_flags(DAY0) == ["--no-swa-bounded-replay", "--kernels", "xla", "--long-prefill-token-threshold",
+                                  "0", "--prefill-schedule-interval", "1", "--no-async-scheduling"]
+    assert server_flags(SIDES["day0-eager"]) == server_flags(DAY0) + ["--execution", "eager"]
 
 
 def test_prefill_replay_cpu_smoke(tmp_path):

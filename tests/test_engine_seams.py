@@ -144,3 +144,15 @@ def test_compilation_cache_keeps_eager_ops_only_for_eager_engines(monkeypatch):
     assert set_to == {"jax_compilation_cache_dir": "/some/dir", "jax_persistent_cache_min_compile_time_secs": 0.0}
     use_compilation_cache("/some/dir", "compiled")
     assert set_to["jax_persistent_cache_min_compile_time_secs"] == 0.5
+
+
+def test_a_presets_random_weights_take_the_weight_format_asked_for():
+    """`--model tiny --weight-format bf16` (and medium's fp8) builds the weights in that format, not the preset's
+    default silently: the config says so and the linears' dtypes match it."""
+    from serving.engine.engine import load_model
+
+    for fmt, dtype in (("bf16", "bfloat16"), ("fp8", "float8_e4m3fn")):
+        cfg, params = load_model("tiny", weight_format=fmt)
+        assert cfg.weight_format == fmt
+        dtypes = {str(x.dtype) for x in jax.tree.leaves(params)}
+        assert (dtype in dtypes) and (fmt == "fp8" or "float8_e4m3fn" not in dtypes), (fmt, dtypes)

@@ -11,8 +11,9 @@
     # against a running server (one side, named by --label):
     python -m bench.agentx --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051 --label mine --concurrency 4
 
-The sides are defined in bench/agentx/sides.py: the day-0 baseline (`DAY0`: exact SWA snapshots, eager
-execution, XLA kernels, ...) against optimised (the server's defaults). Both sides get the same `--model` /
+The sides are defined in bench/agentx/sides.py: the day-0 baseline (`DAY0`: a straightforward compiled port:
+exact SWA snapshots, XLA kernels, each step collected before the next, ...; `day0-eager` adds eager execution)
+against optimised (the server's defaults). Both sides get the same `--model` /
 `--server-args`.
 
 Traces: `--traces FILE` (Weka .jsonl / .json, real or generated), else `--num-traces` generated ones

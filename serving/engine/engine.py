@@ -94,7 +94,7 @@ def load_model(model, seed: int = 0, weight_format: str | None = None, *, mesh=N
     if isinstance(model, ModelConfig):
         cfg = model
     elif isinstance(model, str) and not os.path.isdir(model):
-        cfg = ModelConfig.preset(model)
+        cfg = ModelConfig.preset(model, **({"weight_format": weight_format} if weight_format else {}))
     else:
         return checkpoints.load(model, weight_format=weight_format, mesh=mesh, parallel=parallel)
     return cfg, checkpoints.random_init(cfg, seed, mesh, parallel=parallel)
