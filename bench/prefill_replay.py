@@ -5,11 +5,11 @@ this process (like bench/engine_bench.py), the same random weights for all.
     python -m bench.prefill_replay --preset medium --out bench/results/prefill_replay_medium_h200.json
     python -m bench.prefill_replay --cpu-smoke --out /tmp/prefill_replay_cpu.json     # tiny preset, compiled
 
-Configurations (EngineArgs overrides; the day-0 baseline is `bench.agentx.run.DAY0`, defined once there):
+Configurations (EngineArgs overrides; the eager day-0 baseline is `bench.agentx.sides.DAY0_EAGER`, defined there):
   optimised  {}                            CED-trimmed prefill, SWA bounded replay, compiled (the defaults)
   exact      swa_bounded_replay=False      full-depth prefill (decoder on every row), exact SWA snapshots
   eager      execution=eager               CED-trimmed, bounded replay, eager
-  day0       DAY0                          full depth, snapshots, eager, XLA kernels, no scheduler knobs
+  day0       DAY0_EAGER                    full depth, snapshots, eager, XLA kernels, no scheduler knobs
   pallas     kernels=pallas                the optimised configuration with the Pallas kernels, and
   xla        kernels=xla                   with XLA's ops (the defaults' `--kernels auto` picks Pallas on a GPU)
 The kernels each configuration resolved to are recorded; `pallas_over_xla_*` compares the compiled, CED,
@@ -44,9 +44,9 @@ import time
 
 import numpy as np
 
-from bench.agentx.run import DAY0
+from bench.agentx.sides import DAY0_EAGER
 
-CONFIGS = {"optimised": {}, "exact": {"swa_bounded_replay": False}, "eager": {"execution": "eager"}, "day0": DAY0,
+CONFIGS = {"optimised": {}, "exact": {"swa_bounded_replay": False}, "eager": {"execution": "eager"}, "day0": DAY0_EAGER,
            "pallas": {"kernels": "pallas"}, "xla": {"kernels": "xla"}}
 PAIRS = {"compiled": ("optimised", "exact"), "eager": ("eager", "day0")}  # (CED-trimmed, full depth)
 DEFAULT_LENGTHS = "1024,2048,4096,8192,16384,32768,65536"

@@ -17,7 +17,7 @@ import sys
 from bench.agentx.metrics import SLO, slo_targets
 from bench.agentx.sides import DAY0, server_flags
 
-COLORS = {"day0": "#999999", "exact": "#d08a2c", "optimised": "#2a7ab0"}
+COLORS = {"day0": "#999999", "day0-eager": "#cccccc", "exact": "#d08a2c", "optimised": "#2a7ab0"}
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
