@@ -47,12 +47,14 @@ def write_result(path, result: dict, command: str, source: dict | None = None):
 # `--kernels` choices of the decode benchmarks beyond the engine's own ("xla", "pallas", "auto"): name -> (ops added
 # to, ops taken from) `--kernels auto`'s XLA list (dsv41_jax.ops.AUTO_XLA_OPS), for side-by-side runs of one kernel
 # choice. "auto-xla-sinkhorn": the auto of before the Sinkhorn kernel ran inside XLA's mHC boundary; "auto+<kernel>":
-# auto with one fused kernel that auto keeps on XLA switched on (Mega-mHC, Mega-Gate, the fused ring write).
+# auto with one kernel that auto keeps on XLA switched on (Mega-mHC, Mega-Gate, the fused ring write, the one-launch
+# FP8 quantisation of the GEMMs' inputs).
 KERNEL_VARIANTS = {"auto-xla-sinkhorn": (("hc_coefficients",), ()),
                    "auto+mega-mhc": ((), ("hc_boundary",)),
                    "auto+mega-gate": ((), ("gate",)),
                    "auto+ring-write": ((), ("ring_write",)),
-                   "auto-f32-head": (("lm_head",), ())}
+                   "auto-f32-head": (("lm_head",), ()),
+                   "auto+act-quant": ((), ("act_quant",))}
 
 
 def kernel_args(spec: str) -> dict:

@@ -46,7 +46,7 @@ from dsv41_jax.rope import apply_rope
 from dsv41_jax.sharding import Parallel
 from dsv41_jax.train_attention import TRAIN_ATTENTION, blocked_attention, flash_attention, onepass_core
 from dsv41_jax.weights import LayerRef, materialize
-from pallas_kernels import gemm, mega_gate, mega_mhc, mhc
+from pallas_kernels import act_quant_kernel, gemm, mega_gate, mega_mhc, mhc
 from pallas_kernels import indexer as index_kernel
 from pallas_kernels import moe as moe_gemm
 from pallas_kernels import ring_write as ring_kernel
@@ -55,7 +55,7 @@ from pallas_kernels import sparse_attention as attn_kernel
 KERNEL_CHOICES = ("xla", "pallas")
 # Ops whose XLA implementation also runs inside a Pallas program (same operands and KV layout), so that a context
 # may keep them on XLA where their kernel loses (ExecContext.xla_ops).
-XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write", "lm_head")
+XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write", "lm_head", "act_quant")
 # What `--kernels auto` keeps on XLA: the fused kernels that measured slower than XLA's fusions on the H200
 # (bench/results/fused_kernels_h200.json, in-program loop time per call at D = 5120: Mega-mHC 72.9 us vs 27.8 at
 # 1 row, 1159 vs 34.7 at 256; Mega-Gate (384 experts) 43.2 vs 21.5 at 1 row, 94.6 vs 66.3 at 256; ring_write
@@ -66,7 +66,9 @@ XLA_SWAPPABLE_OPS = ("gate", "hc_boundary", "hc_coefficients", "ring_write", "lm
 # inside XLA's boundary: XLA runs its 19 iterations as a while loop of ~4 kernels each, ~6,000 of a medium decode
 # step's ~9,900 kernels; with the kernel, 3,858 kernels and FP8 ITL 18.1 ms instead of 30.2 at batch 1
 # (bench/results/decode_medium_fp8_sinkhorn_ab_h200.json, profile_decode_medium_fp8_auto*_h200.json).
-AUTO_XLA_OPS = ("gate", "hc_boundary", "ring_write")
+# "act_quant" (the GEMMs' FP8 inputs in one kernel instead of XLA's three) is counted (~110 launches fewer a step at
+# B = 1) but not yet timed: auto keeps XLA's until an ITL run shows it faster (bench.common "auto+act-quant").
+AUTO_XLA_OPS = ("gate", "hc_boundary", "ring_write", "act_quant")
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 # One CSA2 attention call's operands (model -> ops -> shard_map -> kernel): see
@@ -138,13 +140,30 @@ def _view(p):
 # "FP8 activations quantised in the kernels"): at 1 and 8 tokens the kernels' repeated quantisation of their x tiles
 # (once per N tile, 36-512 times) cost more device time than the ~480 XLA kernels it removes saved.
 QUANTIZE_X_MAX_TOKENS = 0
+# Above that, inputs of at most this many rows are quantised by one Pallas kernel (pallas_kernels/act_quant_kernel.py:
+# the codes and the f32 block multipliers the kernels read, one launch) instead of XLA's three (the block amax, the
+# codes, the multipliers); larger inputs (prefill chunks) by XLA. The op "act_quant" in ExecContext.xla_ops (as under
+# `--kernels auto`, AUTO_XLA_OPS): XLA's at every size.
+ACT_QUANT_KERNEL_MAX_ROWS = 256
 
 
-def _pallas_linear_f32(cfg, p, x, xq=None):
+def _xla_encode(x2):
+    """x [M, K] -> (E4M3 codes, E8M0 codes) by XLA (dsv41_jax.quant.fp8_encode)."""
+    return quant.fp8_encode(x2, 32)
+
+
+def _kernel_encode(x2):
+    """x [M, K] -> (uint8 E4M3 codes, f32 multipliers): one kernel up to ACT_QUANT_KERNEL_MAX_ROWS rows, else XLA."""
+    if x2.shape[0] <= ACT_QUANT_KERNEL_MAX_ROWS:
+        return act_quant_kernel.quantize(x2)
+    return _xla_encode(x2)
+
+
+def _pallas_linear_f32(cfg, p, x, xq=None, encode=_kernel_encode):
     """FP8 weights with the reference's FP8 activations: up to QUANTIZE_X_MAX_TOKENS rows the kernel puts x onto
     act_qdq's grid as it loads it (`quantize_x`, pallas_kernels/act_quant.py); above, x goes to the kernel as E4M3
-    codes + UE8M0 scales (the same values). xq: x already on act_qdq's grid (hc_boundary's output; quantizing it
-    again gives the same values)."""
+    codes + block scales from `encode` (`_kernel_encode` or `_xla_encode`: the same values). xq: x already on
+    act_qdq's grid (hc_boundary's output; quantizing it again gives the same values)."""
     dt = layers.cdtype(cfg)
     w, s, layer = _view(p)
     if s is not None and cfg.qdq:
@@ -152,15 +171,15 @@ def _pallas_linear_f32(cfg, p, x, xq=None):
         if x2.shape[0] <= QUANTIZE_X_MAX_TOKENS:
             y = gemm.matmul(x2, w, scale=s, layer=layer, quantize_x=True)
         else:
-            codes, xs = quant.fp8_encode(x2, 32)
+            codes, xs = encode(x2)
             y = gemm.matmul(codes, w, scale=s, layer=layer, x_scale=xs)
     else:
         y = gemm.matmul(layers.act_qdq(cfg, x.astype(dt), p).reshape(-1, x.shape[-1]), w, scale=s, layer=layer)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _pallas_linear(cfg, p, x, xq=None):
-    return _pallas_linear_f32(cfg, p, x, xq).astype(layers.cdtype(cfg))
+def _pallas_linear(cfg, p, x, xq=None, encode=_kernel_encode):
+    return _pallas_linear_f32(cfg, p, x, xq, encode).astype(layers.cdtype(cfg))
 
 
 def _xla_linear_f32(cfg, p, x):
@@ -170,7 +189,7 @@ def _xla_linear_f32(cfg, p, x):
     return layers.mm(layers.act_qdq(cfg, x.astype(dt), p), lin_weight(p, dt), "...i,oi->...o")
 
 
-def _pallas_routed_experts(cfg, p, x, weights, idx):
+def _pallas_routed_experts(cfg, p, x, weights, idx, encode=_kernel_encode):
     """The reference's sort / grouped GEMMs / scatter-add, with GEMMs that read only the routed experts."""
     dt = layers.cdtype(cfg)
     N, D = x.shape
@@ -192,10 +211,10 @@ def _pallas_routed_experts(cfg, p, x, weights, idx):
                                         quantize_x=True, **kw)
             y = moe_gemm.grouped_matmul(h, w, sizes, scale=s, layer=layer2, quantize_x=True, all_rows_routed=True)
         else:
-            xq, xc = quant.fp8_encode(x.astype(dt), 32)
+            xq, xc = encode(x.astype(dt))
             h = moe_gemm.grouped_swiglu(xq[tok], w1, w3, sizes, rw, scale1=s1, scale3=s3, layer=layer,
                                         x_scale=xc[tok], **kw)
-            hq, hc = quant.fp8_encode(h, 32)
+            hq, hc = encode(h)
             y = moe_gemm.grouped_matmul(hq, w, sizes, scale=s, layer=layer2, x_scale=hc, all_rows_routed=True)
         routed = jnp.arange(y.shape[0])[:, None] < jnp.sum(sizes)
         return jnp.zeros((N, D), F32).at[tok].add(jnp.where(routed, y.astype(dt).astype(F32), 0.0))
@@ -248,9 +267,9 @@ def _pallas_indexer(ex: ExecContext, cfg, p, a: IndexerInputs, state: KVState):
         def score(q, w, k):
             return _paged_index_scores(q, w, (*k, a.ratio, bs), head_partial=True)
 
-        scores = parallel.tp_paged_index_scores(ex, cfg, p, a, keys, score, _pallas_linear)
+        scores = parallel.tp_paged_index_scores(ex, cfg, p, a, keys, score, _local_linear(ex))
     else:
-        q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_pallas_linear)
+        q, w = attn.index_query(cfg, p, a.x, a.qr, a.qpos, a.freqs, lin=_local_linear(ex))
         scores = _paged_index_scores(q, w, (blocks, visible, view, a.ratio, bs))
     cand = a.cand
     if a.cand_source:
@@ -327,6 +346,7 @@ PALLAS_OPS: dict[str, object] = {
     "hc_boundary": _pallas_hc_boundary,  # Mega-mHC: hc-post, mixes + Sinkhorn, hc-pre, RMSNorm, FP8 in one kernel
     "hc_coefficients": _pallas_hc_coefficients,  # the Sinkhorn alone, inside XLA's boundary (and the draft's mixes)
     "lm_head": _pallas_lm_head,  # f32 logits from the bf16-stored head, read once (gemm.matmul_f32x)
+    "act_quant": act_quant_kernel.quantize,  # a GEMM input's FP8 codes + multipliers in one launch (_kernel_encode)
 }
 
 
@@ -442,8 +462,15 @@ def _impl(ex: ExecContext, name: str):
     return PALLAS_OPS[name] if ex.pallas and name not in ex.xla_ops else None
 
 
+def _encoder(ex: ExecContext):
+    """How this context's Pallas GEMMs get their FP8 inputs: the act_quant kernel, or XLA's ops where "act_quant" is
+    in ex.xla_ops."""
+    return _xla_encode if _impl(ex, "act_quant") is None else _kernel_encode
+
+
 def _local_linear(ex: ExecContext):
-    return _impl(ex, "linear") or layers.linear
+    impl = _impl(ex, "linear")
+    return layers.linear if impl is None else partial(impl, encode=_encoder(ex))
 
 
 # ----------------------------------------------------------------------------- GEMMs
@@ -454,12 +481,13 @@ def linear(ex: ExecContext, cfg, p, x, split: str | None = None, xq=None):
     xq: x already FP8-quantised as the linear quantises its input (`hc_boundary`'s output, or None); the Pallas
     GEMM then skips its own quantisation (the same values: fp8_qdq is idempotent), the XLA reference ignores it."""
     if split is not None and ex.tp:
-        f32 = _pallas_linear_f32 if ex.pallas else _xla_linear_f32
+        f32 = partial(_pallas_linear_f32, encode=_encoder(ex)) if ex.pallas else _xla_linear_f32
         return parallel.tp_linear(ex, cfg, p, x, split, _local_linear(ex), f32)
     if ex.pallas and ex.tp:  # a replicated linear: the kernel on every rank
-        return parallel.replicated(ex, lambda p_, x_, xq_: _pallas_linear(cfg, p_, x_, xq_), p, x, xq)
+        enc = _encoder(ex)
+        return parallel.replicated(ex, lambda p_, x_, xq_: _pallas_linear(cfg, p_, x_, xq_, enc), p, x, xq)
     if xq is not None and ex.pallas:
-        return _pallas_linear(cfg, p, x, xq)
+        return _pallas_linear(cfg, p, x, xq, _encoder(ex))
     return _local_linear(ex)(cfg, p, x)
 
 
@@ -481,7 +509,9 @@ def lm_head(ex: ExecContext, x, w):
 
 def routed_experts(ex: ExecContext, cfg, p, x, weights, idx):
     impl = _impl(ex, "routed_experts")
-    return layers.routed_experts(cfg, p, x, weights, idx) if impl is None else impl(cfg, p, x, weights, idx)
+    if impl is None:
+        return layers.routed_experts(cfg, p, x, weights, idx)
+    return impl(cfg, p, x, weights, idx, encode=_encoder(ex))
 
 
 def _pallas_moe(ex: ExecContext, cfg, p, x, xq, gate):

@@ -87,6 +87,47 @@ def test_benchmark_kernel_variants_switch_one_op_each():
         assert kw["kernels"] == "pallas"
         ops.ExecContext(**kw)  # valid op names
         assert set(kw["xla_ops"]) == (set(ops.AUTO_XLA_OPS) - set(drop)) | set(add)
-    for name, op in (("auto+mega-mhc", "hc_boundary"), ("auto+mega-gate", "gate"), ("auto+ring-write", "ring_write")):
+    for name, op in (("auto+mega-mhc", "hc_boundary"), ("auto+mega-gate", "gate"), ("auto+ring-write", "ring_write"),
+                     ("auto+act-quant", "act_quant")):
         assert set(ops.AUTO_XLA_OPS) - set(kernel_args(name)["xla_ops"]) == {op}
     assert kernel_args("auto") == {"kernels": "auto"}
+
+
+def test_act_quant_kernel_feeds_the_gemms_the_xla_values():
+    """The GEMMs' FP8 inputs from the one-launch kernel (the Pallas default) or from XLA ("act_quant" in xla_ops)
+    give bit-identical linears and routed experts on random inputs (tiny preset: FP8 linears, MXFP4 experts), at
+    decode sizes (the kernel) and above ACT_QUANT_KERNEL_MAX_ROWS (XLA on both sides); the kernel is the one called."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import checkpoints
+    from dsv41_jax.weights import LayerRef
+
+    cfg = TINY.replace(weight_format="fp8")
+    stack = checkpoints.random_init(cfg, 0)["layers"]
+    wq_a, experts = LayerRef(stack["attn"]["wq_a"], jnp.int32(1)), LayerRef(stack["ffn"]["experts"], jnp.int32(2))
+    assert stack["attn"]["wq_a"]["weight"].dtype == jnp.float8_e4m3fn
+    kernel_ctx, xla_ctx = ops.ExecContext(kernels="pallas"), ops.ExecContext(kernels="pallas", xla_ops=("act_quant",))
+    calls = []
+    kernel = ops.act_quant_kernel.quantize
+
+    def counted(x, **kw):
+        calls.append(x.shape)
+        return kernel(x, **kw)
+
+    for rows in (3, ops.ACT_QUANT_KERNEL_MAX_ROWS + 8):
+        x = jax.random.normal(jax.random.key(rows), (1, rows, cfg.dim), jnp.bfloat16) * 3
+        idx = jax.random.randint(jax.random.key(1), (rows, cfg.n_activated_experts), 0, cfg.n_routed_experts)
+        w = jax.random.uniform(jax.random.key(2), idx.shape, jnp.float32, 0.1, 1.0)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ops.act_quant_kernel, "quantize", counted)
+            got = ops.linear(kernel_ctx, cfg, wq_a, x)
+            got_e = ops.routed_experts(kernel_ctx, cfg, experts, x[0], w, idx)
+        # the linear's x, the experts' x and their hidden rows: all through the kernel at decode sizes
+        assert len(calls) == (3 if rows <= ops.ACT_QUANT_KERNEL_MAX_ROWS else 0), calls
+        want = ops.linear(xla_ctx, cfg, wq_a, x)
+        want_e = ops.routed_experts(xla_ctx, cfg, experts, x[0], w, idx)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        np.testing.assert_array_equal(np.asarray(got_e, np.float32), np.asarray(want_e, np.float32))
+        assert float(jnp.max(jnp.abs(got.astype(jnp.float32)))) > 0 and float(jnp.max(jnp.abs(got_e))) > 0

@@ -3,7 +3,8 @@
     matmul(x [M, K] bf16, w [N, K] or stacked [L, N, K], *, scale=None, layer=None, x_scale=None) -> [M, N] f32
 
 x may come as FP8: E4M3 codes [M, K] (float8_e4m3fn or uint8) with `x_scale` E8M0 codes [M, K/32] (the model's
-quantized activations, dsv41_jax.quant.fp8_encode); x = codes * 2^(x_scale - 127). FP8 weights then run the FP8 x
+quantized activations, dsv41_jax.quant.fp8_encode; x = codes * 2^(x_scale - 127)) or, as f32, those multipliers
+themselves (pallas_kernels/act_quant_kernel.py). FP8 weights then run the FP8 x
 FP8 dot of fp8_kernel.py where the block says decode="fp8"; the other paths dequantize x first (exact). Or x comes
 raw (bf16 / f32) with `quantize_x`: each program quantizes the x tiles it loads (pallas_kernels/act_quant.py, the
 same rule and values), so the model's FP8 activations cost no XLA kernels (the model's FP8 linears use this).
@@ -88,18 +89,26 @@ def dequant_fp8(q, scale, dtype=BF16, block: int = 32):
     return (q.astype(F32) * s).astype(dtype)
 
 
+def x_multipliers(x_scale):
+    """x's block scales as f32 multipliers 2^(code - 127): given as E8M0 codes (uint8 / float8_e8m0fnu), or already
+    as f32 multipliers (pallas_kernels/act_quant_kernel.py's output)."""
+    if x_scale.dtype == F32:
+        return x_scale
+    return jax.lax.bitcast_convert_type(scale_codes(x_scale).astype(jnp.int32) << 23, F32)
+
+
 def dequant_x(xq, x_scale, dtype=BF16):
-    """FP8 activations (E4M3 codes [M, K], E8M0 codes [M, K/32]) -> dtype (exact for bf16)."""
+    """FP8 activations (E4M3 codes [M, K], block scales [M, K/32]: `x_multipliers`) -> dtype (exact for bf16)."""
     xq = jax.lax.bitcast_convert_type(xq, jnp.float8_e4m3fn) if xq.dtype == jnp.uint8 else xq
-    s = jax.lax.bitcast_convert_type(scale_codes(x_scale).astype(jnp.int32) << 23, F32)
+    s = x_multipliers(x_scale)
     M, K = xq.shape
     return (xq.astype(F32).reshape(M, K // 32, 32) * s[:, :, None]).reshape(M, K).astype(dtype)
 
 
-def x_codes_f32_scale(xq, x_scale, offset: int = 0):
-    """(uint8 E4M3 codes [M, K], f32 block multipliers 2^(code - 127 + offset) [M, K/32]) for the FP8 kernels."""
+def x_codes_f32_scale(xq, x_scale):
+    """(uint8 E4M3 codes [M, K], f32 block multipliers [M, K/32]: `x_multipliers`) for the FP8 kernels."""
     xq = jax.lax.bitcast_convert_type(xq, jnp.uint8) if xq.dtype != jnp.uint8 else xq
-    return xq, jax.lax.bitcast_convert_type((scale_codes(x_scale).astype(jnp.int32) + offset) << 23, F32)
+    return xq, x_multipliers(x_scale)
 
 
 def qdq_x(x):

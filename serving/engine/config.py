@@ -138,8 +138,8 @@ class EngineArgs:
         "collect first (--no-async-scheduling: always)"))
     kernels: str = field(default="auto", metadata=cli(
         "auto: the Pallas kernels on a GPU where they serve the model (bf16 compute, FP8/FP4 KV, window a multiple "
-        "of 64, compiled execution; under TP and DP / DEP too) except the fused ones measured slower than XLA's "
-        "fusions (dsv41_jax.ops.AUTO_XLA_OPS), XLA's ops elsewhere (on a CPU the kernels would run "
+        "of 64, compiled execution; under TP and DP / DEP too) except those measured slower than XLA's fusions or "
+        "not yet timed (dsv41_jax.ops.AUTO_XLA_OPS), XLA's ops elsewhere (on a CPU the kernels would run "
         "interpreted); on the H200 (medium) Pallas decodes 2.3-3.1x and prefills 2.5x faster (docs/BENCHMARKS.md); "
         "pallas refuses a model it cannot serve, naming why", choices=KERNELS))
     compilation_cache_dir: str | None = field(default=None, metadata=cli(
