@@ -129,7 +129,7 @@ class EngineArgs:
         "compile the programs for prompt logprobs (echo + logprobs, lm-eval loglikelihood)"))
     execution: str = field(default="compiled", metadata=cli(
         "compiled: fixed-shape programs compiled at start-up; eager: per-op dispatch (the step under "
-        "jax.disable_jit(): ~60K op dispatches per medium step, the day-0 baseline; its ops go to the persistent "
+        "jax.disable_jit(): ~60K op dispatches per medium step, the eager day-0 baseline; its ops go to the persistent "
         "compilation cache too)", choices=EXECUTIONS))
     async_scheduling: bool = field(default=True, metadata=cli(
         "dispatch each step before collecting the previous one: a decode row takes the token still on the device "
