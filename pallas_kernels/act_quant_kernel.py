@@ -8,7 +8,7 @@ that the FP8 GEMM and MoE kernels read (`x_scale` as multipliers: pallas_kernels
 Why: in XLA the same values take three kernels per linear (the block amax reduction, the codes, and the
 conversion of the scale codes to multipliers that the kernels multiply by), about ten kernels of a decode step's
 layer. The rule is pallas_kernels/act_quant.py's, applied to [bm, bk] tiles (bk a multiple of 32, so blocks never
-straddle tiles): the outputs equal dsv41_jax.quant.fp8_encode's bit for bit (tests/kernels/test_act_quant.py).
+straddle tiles): the outputs equal dsv41_jax.quant.fp8_encode's bit for bit (tests/kernels/test_act_quant_kernel.py).
 
 Tiles: bm divides M (a power of two <= 16; the Triton lowering does not mask a block that overhangs an array),
 bk the largest power of two <= 1024 that divides K, so K must be a multiple of 32. Grid (M / bm, K / bk).
