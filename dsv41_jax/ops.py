@@ -159,7 +159,7 @@ def _kernel_encode(x2):
     return _xla_encode(x2)
 
 
-def _pallas_linear_f32(cfg, p, x, xq=None, encode=_kernel_encode):
+def _pallas_linear_f32(cfg, p, x, xq=None, encode=_xla_encode):
     """FP8 weights with the reference's FP8 activations: up to QUANTIZE_X_MAX_TOKENS rows the kernel puts x onto
     act_qdq's grid as it loads it (`quantize_x`, pallas_kernels/act_quant.py); above, x goes to the kernel as E4M3
     codes + block scales from `encode` (`_kernel_encode` or `_xla_encode`: the same values). xq: x already on
@@ -178,7 +178,7 @@ def _pallas_linear_f32(cfg, p, x, xq=None, encode=_kernel_encode):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _pallas_linear(cfg, p, x, xq=None, encode=_kernel_encode):
+def _pallas_linear(cfg, p, x, xq=None, encode=_xla_encode):
     return _pallas_linear_f32(cfg, p, x, xq, encode).astype(layers.cdtype(cfg))
 
 
@@ -189,7 +189,7 @@ def _xla_linear_f32(cfg, p, x):
     return layers.mm(layers.act_qdq(cfg, x.astype(dt), p), lin_weight(p, dt), "...i,oi->...o")
 
 
-def _pallas_routed_experts(cfg, p, x, weights, idx, encode=_kernel_encode):
+def _pallas_routed_experts(cfg, p, x, weights, idx, encode=_xla_encode):
     """The reference's sort / grouped GEMMs / scatter-add, with GEMMs that read only the routed experts."""
     dt = layers.cdtype(cfg)
     N, D = x.shape

@@ -1,14 +1,14 @@
 """FP8 activation quantisation of a whole [M, K] array in one launch: the E4M3 codes and the f32 block multipliers
-that the FP8 GEMM and MoE kernels read (`x_scale` as multipliers: pallas_kernels/gemm/kernel.py
-`x_codes_f32_scale`).
+that the FP8 GEMM and MoE kernels read (`x_scale` as multipliers: pallas_kernels/gemm/kernel.py `x_multipliers`).
 
     quantize(x [M, K] bf16 / f32) -> (codes [M, K] uint8 E4M3, mult [M, K/32] f32 = 2^(UE8M0 code - 127))
     quantize_ref(x): the same in XLA
 
-Why: in XLA the same values take three kernels per linear (the block amax reduction, the codes, and the
-conversion of the scale codes to multipliers that the kernels multiply by), about ten kernels of a decode step's
-layer. The rule is pallas_kernels/act_quant.py's, applied to [bm, bk] tiles (bk a multiple of 32, so blocks never
-straddle tiles): the outputs equal dsv41_jax.quant.fp8_encode's bit for bit (tests/kernels/test_act_quant_kernel.py).
+Why: in XLA the same values take up to three kernels per linear input (the block amax reduction, the codes, and
+the conversion of the scale codes to the multipliers the kernels multiply by), some of them fused with the input's
+producer; what one launch saves in a decode step is counted in docs/BENCHMARKS.md. The rule is
+pallas_kernels/act_quant.py's, applied to [bm, bk] tiles (bk a multiple of 32, so blocks never straddle tiles):
+the outputs equal dsv41_jax.quant.fp8_encode's bit for bit (tests/kernels/test_act_quant_kernel.py).
 
 Tiles: bm divides M (a power of two <= 16; the Triton lowering does not mask a block that overhangs an array),
 bk the largest power of two <= 1024 that divides K, so K must be a multiple of 32. Grid (M / bm, K / bk).
