@@ -36,6 +36,7 @@ A2A_FLAG_CHOICES = tuple(c for c in A2A_CHOICES if c != "emulated")  # --all2all
 # The server's sizing on a CPU where --max-num-seqs / --max-num-batched-tokens are not given: a 4-lane agentic
 # session on 2 cores (serving/run.py applies it; the engine's own defaults are the fields').
 CPU_SERVER_DEFAULTS = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}
+MAX_COMPILE_THREADS = 8  # start-up compilation threads when --compile-threads is 0
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")  # `python -m serving.run`'s default
 # The smallest shapes a CPU server compiles quickly (one prefill and one decode bucket: 4 programs). The API
 # tests' shared server, their `python -m serving.run` subprocesses and the benchmarks' --cpu-smoke runs all use
@@ -145,6 +146,10 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default=None, metadata=cli(
         "JAX persistent compilation cache: a second start reuses compiled programs (none: off)",
         default=DEFAULT_COMPILATION_CACHE_DIR))
+    compile_threads: int = field(default=0, metadata=cli(
+        "programs compiled at once at start-up: each is traced in turn while XLA compiles up to this many "
+        f"(0: min({MAX_COMPILE_THREADS}, CPU cores); 1: one after another)",
+        shown=f"min({MAX_COMPILE_THREADS}, cores)"))
     prefill_buckets: tuple[int, ...] = field(default=(), metadata=cli(  # () = powers of two from 16 to max_n_b_t
         "prefill chunk sizes to compile, e.g. 64,256, each 2-3 programs (None: powers of two up to "
         "max_num_batched_tokens; on a CPU just max_num_batched_tokens)", default=None,
@@ -197,6 +202,10 @@ class EngineArgs:
         W = cfg.window_size
         if a.max_model_len < 2 or a.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len {a.max_model_len} must be in [2, {cfg.max_seq_len}]")
+        if a.compile_threads < 0:
+            raise ValueError(f"compile_threads must be >= 0 (0: automatic), got {a.compile_threads}")
+        if a.compile_threads == 0:
+            a.compile_threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
         if a.max_num_batched_tokens < W:
             raise ValueError(f"max_num_batched_tokens must be >= the window ({W}): the final prefill chunk "
                              "carries the decoder's last-window rows")
