@@ -21,6 +21,7 @@ import argparse
 import json
 import re
 import shlex
+import sys
 import tempfile
 import time
 import urllib.request
@@ -59,6 +60,12 @@ def start(model: str, server_args: list[str], cache: str, threads: int, max_toke
     return row
 
 
+def save(a, argv, rows, skipped):
+    if a.out:
+        result = {"model": a.model, "server_args": a.server_args, "rows": rows, "skipped_threads": skipped}
+        write_result(a.out, result, "python -m bench.server_startup " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="medium")
@@ -83,9 +90,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"threads {threads} {row['cache']}: ready {row['ready_s']} s, compile {row['compile_s']} s, "
                       f"first request {row['first_request_s']} s", flush=True)
-    result = {"model": a.model, "server_args": a.server_args, "rows": rows, "skipped_threads": skipped}
-    if a.out:
-        write_result(a.out, result, "python -m bench.server_startup " + " ".join(map(shlex.quote, argv or [])))
+                save(a, argv, rows, skipped)  # after every start: a run cut short keeps what it measured
+    save(a, argv, rows, skipped)
     print("| threads | cache | ready s | programs | compile s | first request s | tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
