@@ -63,7 +63,8 @@ def start(model: str, server_args: list[str], cache: str, threads: int, max_toke
 def save(a, argv, rows, skipped):
     if a.out:
         result = {"model": a.model, "server_args": a.server_args, "rows": rows, "skipped_threads": skipped}
-        write_result(a.out, result, "python -m bench.server_startup " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv)))
+        words = sys.argv[1:] if argv is None else argv
+        write_result(a.out, result, "python -m bench.server_startup " + " ".join(map(shlex.quote, words)))
 
 
 def main(argv=None):
