@@ -10,14 +10,16 @@ upgrade that kept the cache) and sends the request again. Per start it records:
 - `ready_s`: from the process start to the server listening (imports, weights, the programs, the sockets);
 - `compile_s` and `programs`: the engine's own "engine ready: N programs in S s" line (tracing, lowering, XLA's
   compilation or the cache reads);
-- `first_request_s`: one completion of `--max-tokens` tokens after ready (that it serves), and its tokens/s
-  (the same programs whatever the thread count, so these should agree between cold starts).
+- `first_request_s`: one greedy completion of `--max-tokens` tokens after ready (that it serves), its tokens/s
+  and a hash of its text: every start of one model must give the same text (the programs loaded from the
+  program cache compute what the compiled ones did).
 The table printed last has one row per start. The result file keeps every server's last output lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import shlex
@@ -29,7 +31,7 @@ import urllib.request
 from bench.common import write_result
 from serving.spawn import spawn_server
 
-_READY_LINE = re.compile(r"engine ready: (\d+) programs in ([\d.]+) s")
+_READY_LINE = re.compile(r"engine ready: (\d+) programs in ([\d.]+) s(?:.*?(\d+) loaded from the program cache)?")
 
 
 def one_request(url: str, max_tokens: int) -> dict:
@@ -41,7 +43,9 @@ def one_request(url: str, max_tokens: int) -> dict:
         out = json.loads(r.read())
     dt = time.perf_counter() - t0
     n = out["usage"]["completion_tokens"]
-    return {"first_request_s": round(dt, 3), "completion_tokens": n, "tokens_per_s": round(n / dt, 1)}
+    text = out["choices"][0]["text"]
+    return {"first_request_s": round(dt, 3), "completion_tokens": n, "tokens_per_s": round(n / dt, 1),
+            "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
 def start(model: str, server_args: list[str], cache: str, threads: int, max_tokens: int, timeout: float) -> dict:
@@ -52,7 +56,8 @@ def start(model: str, server_args: list[str], cache: str, threads: int, max_toke
     try:
         m = _READY_LINE.search(srv.output())
         row = {"threads": threads, "ready_s": round(ready, 1), "programs": int(m.group(1)) if m else None,
-               "compile_s": float(m.group(2)) if m else None}
+               "compile_s": float(m.group(2)) if m else None,
+               "loaded": int(m.group(3)) if m and m.group(3) else 0}
         row.update(one_request(srv.http_url, max_tokens))
     finally:
         srv.terminate()
@@ -73,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--server-args", default="", help="more `python -m serving.run` flags, one string")
     ap.add_argument("--threads", default="0", help="comma-separated --compile-threads values, one cold start each")
     ap.add_argument("--restarts", type=int, default=1, help="warm restarts after each cold start")
+    ap.add_argument("--cold-args", default="", help="flags for the cold starts only (e.g. --no-program-cache: "
+                    "the restarts then store what JAX's own cache loads)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take")
     ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no new cold start after this (0: none)")
@@ -86,18 +93,19 @@ def main(argv=None):
             continue
         with tempfile.TemporaryDirectory(prefix="startup_cache_") as cache:
             for i in range(1 + a.restarts):
-                row = start(a.model, shlex.split(a.server_args), cache, threads, a.max_tokens, a.timeout)
+                extra = shlex.split(a.cold_args) if i == 0 else []
+                row = start(a.model, shlex.split(a.server_args) + extra, cache, threads, a.max_tokens, a.timeout)
                 row["cache"] = "cold" if i == 0 else "warm"
                 rows.append(row)
                 print(f"threads {threads} {row['cache']}: ready {row['ready_s']} s, compile {row['compile_s']} s, "
                       f"first request {row['first_request_s']} s", flush=True)
                 save(a, argv, rows, skipped)  # after every start: a run cut short keeps what it measured
     save(a, argv, rows, skipped)
-    print("| threads | cache | ready s | programs | compile s | first request s | tokens/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| threads | cache | ready s | programs (loaded) | compile s | first request s | tokens/s | text |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['threads']} | {r['cache']} | {r['ready_s']} | {r['programs']} | {r['compile_s']} | "
-              f"{r['first_request_s']} | {r['tokens_per_s']} |")
+        print(f"| {r['threads']} | {r['cache']} | {r['ready_s']} | {r['programs']} ({r['loaded']}) | "
+              f"{r['compile_s']} | {r['first_request_s']} | {r['tokens_per_s']} | {r['text_sha256'][:8]} |")
 
 
 if __name__ == "__main__":

@@ -286,8 +286,9 @@ def build(a: argparse.Namespace):
     tok = load_tokenizer(spec, known.vocab_size)
     log.info("loading %s (backend %s) and compiling the engine's programs", a.model, jax.default_backend())
     engine = Engine(model, args, tokenizer=tok, weight_format=a.weight_format, progress=True)
-    log.info("engine ready: %d programs in %.1f s (compilation cache: %s)", engine.runner.compile_count,
-             engine.warmup_s, args.compilation_cache_dir or "off")
+    log.info("engine ready: %d programs in %.1f s (compilation cache: %s; %d loaded from the program cache)",
+             engine.runner.compile_count, engine.warmup_s, args.compilation_cache_dir or "off",
+             engine.runner.program_cache_hits)
     default_name = DEFAULT_MODEL_NAME if os.path.abspath(a.model) == DEFAULT_MODEL else \
         os.path.basename(os.path.normpath(a.model))
     name = a.served_model_name or (a.model if is_preset else default_name)

@@ -150,6 +150,12 @@ class EngineArgs:
         "programs compiled at once at start-up: each is traced in turn while XLA compiles up to this many "
         f"(0: min({MAX_COMPILE_THREADS}, CPU cores); 1: one after another)",
         shown=f"min({MAX_COMPILE_THREADS}, cores)"))
+    program_cache: bool = field(default=False, metadata=cli(
+        "load the programs an earlier start compiled with the same code, model, flags and devices from the "
+        "compilation cache directory without tracing them (serving/engine/program_cache.py: a restart in seconds); "
+        "--no-program-cache: trace every program (JAX's own cache still matches them by their lowered module). "
+        "Engine() callers get it off: code that patches traced functions must not meet a stored program",
+        default=True))
     prefill_buckets: tuple[int, ...] = field(default=(), metadata=cli(  # () = powers of two from 16 to max_n_b_t
         "prefill chunk sizes to compile, e.g. 64,256, each 2-3 programs (None: powers of two up to "
         "max_num_batched_tokens; on a CPU just max_num_batched_tokens)", default=None,

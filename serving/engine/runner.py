@@ -70,6 +70,7 @@ from dsv41_jax.sharding import DATA, param_partition_specs
 from serving.engine import multihost
 from serving.engine.chunk_plan import DEC_ALL, DEC_NONE, DEC_WINDOW, decoder_rows
 from serving.engine.multihost import OP_RESET, OP_RUN, OP_SNAP, OP_STOP
+from serving.engine.program_cache import ProgramCache, compile_fresh
 from serving.engine.sampler import sample
 from serving.engine.spec_draft import POOL_AXIS, DeviceDraft
 from serving.engine.spec_verify import verify
@@ -157,6 +158,8 @@ class Runner:
         self.pools = self._abstract_pools() if abstract else self._alloc_pools()
         self.programs: dict[ProgramKey, object] = {}
         self.compile_count = 0
+        self.program_cache_hits = 0  # programs loaded by compile_all from the program cache (no tracing)
+        self.abstract = abstract
         self.channel = None  # multi-host: the driver -> followers command stream (serving.engine.multihost)
 
     # ------------------------------------------------------------------ pools
@@ -221,12 +224,8 @@ class Runner:
 
     def lower(self, key: ProgramKey, platforms: tuple[str, ...] | None = None):
         """The jax `Lowered` of one program (for `platforms`, e.g. ("cuda",); default: this host's backend)."""
-        fn = self._fn(key)
-        if key.kind in (SNAP_SAVE, SNAP_LOAD):
-            i32 = self._slot_arg()
-            traced = jax.jit(fn, donate_argnums=(0,)).trace(self.pools, i32, i32)
-        else:
-            traced = jax.jit(fn, donate_argnums=(1,)).trace(self.params, self.pools, self._abstract_inputs(key))
+        fn, donated, *args = self._program_args(key)
+        traced = jax.jit(fn, donate_argnums=(donated,)).trace(*args)
         return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
     def moe_dropped(self) -> int:
@@ -432,7 +431,9 @@ class Runner:
         """Compile every program for its bucket (or prepare eager callables); returns seconds taken.
         `keep(key) -> bool` restricts the set (benchmarks that only decode).
 
-        The programs are traced and lowered one after another on this thread (tracing is Python, and the model's
+        With `args.program_cache` (and a compilation cache directory) a program compiled by an earlier start of the
+        same code, model, flags and devices is loaded from disk without tracing (serving/engine/program_cache.py).
+        The others are traced and lowered one after another on this thread (tracing is Python, and the model's
         trace-time state is not shared across threads), and each lowered module is compiled on a pool of
         `compile_threads` threads while the next one is traced: XLA's compilation (and a persistent-cache read)
         runs outside the GIL. The programs are the same whatever the thread count."""
@@ -442,23 +443,47 @@ class Runner:
             for key in keys:
                 self.programs[key] = self._fn(key)
             return time.perf_counter() - t0
+        multi = self.mesh is not None and multihost.spans_processes(self.mesh)
+        cache = None
+        if self.args.program_cache and self.args.compilation_cache_dir and not multi and not self.abstract:
+            cache = ProgramCache(self.args.compilation_cache_dir, self.cfg, self.args, self.mesh, self.params,
+                                 self.pools)
         with ThreadPoolExecutor(self.args.compile_threads or 1) as pool, \
                 tqdm(total=len(keys), desc="compiling programs", disable=not progress) as bar:
             pending = {}
             try:
                 for key in keys:
-                    pending[pool.submit(self.lower(key).compile)] = key
+                    digest = cache.digest(key, self._program_args(key)[2:]) if cache else None
+                    loaded = cache.load(digest) if cache else None
+                    if loaded is not None:
+                        self.programs[key] = loaded
+                        self.compile_count += 1
+                        bar.update()
+                        continue
+                    pending[pool.submit(compile_fresh, self.lower(key))] = (key, digest)
                 for done in as_completed(pending):
-                    self.programs[pending[done]] = done.result()
+                    key, digest = pending[done]
+                    self.programs[key], fresh = done.result()
                     self.compile_count += 1
+                    if cache:
+                        cache.store(digest, self.programs[key], fresh)
                     bar.update()
             except BaseException:
                 for f in pending:
                     f.cancel()
                 raise
-        if self.mesh is not None and multihost.spans_processes(self.mesh):
+        self.program_cache_hits = cache.hits if cache else 0
+        if multi:
             self.channel = multihost.Channel(list(self.programs))
         return time.perf_counter() - t0
+
+    def _program_args(self, key: ProgramKey) -> tuple:
+        """(function, donated argument index, *arguments) of one program, as `lower` traces it."""
+        fn = self._fn(key)
+        if key.kind in (SNAP_SAVE, SNAP_LOAD):
+            i32 = self._slot_arg()
+            return fn, 0, self.pools, i32, i32
+        return fn, 1, self.params, self.pools, self._abstract_inputs(key)
 
     # ------------------------------------------------------------------ multi-host
     def _announce(self, op: int, key=None, *args: int, inputs=None):
