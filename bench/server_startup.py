@@ -1,9 +1,9 @@
 """Server start-up: a cold start (empty persistent compilation cache) and a restart on that cache, to first token.
 
-    python -m bench.server_startup --model medium --server-args "--weight-format fp8" --threads 0,1 \
+    python -m bench.server_startup --model medium --server-args "--weight-format fp8" --threads 1,8 \
         --out bench/results/server_startup_medium_fp8.json
 
-For each `--threads` value (the server's `--compile-threads`; 0 = its default) the script starts
+For each `--threads` value (the server's `--compile-threads`) the script starts
 `python -m serving.run --model M SERVER_ARGS` on a fresh cache directory (cold), sends one request, stops it, then
 starts it again on the same directory (`--restarts` times: the restart an operator does after a crash or an
 upgrade that kept the cache) and sends the request again. Per start it records:
@@ -76,7 +76,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="medium")
     ap.add_argument("--server-args", default="", help="more `python -m serving.run` flags, one string")
-    ap.add_argument("--threads", default="0", help="comma-separated --compile-threads values, one cold start each")
+    ap.add_argument("--threads", default="1", help="comma-separated --compile-threads values, one cold start each")
     ap.add_argument("--restarts", type=int, default=1, help="warm restarts after each cold start")
     ap.add_argument("--cold-args", default="", help="flags for the cold starts only (e.g. --no-program-cache: "
                     "the restarts then store what JAX's own cache loads)")

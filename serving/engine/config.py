@@ -36,7 +36,6 @@ A2A_FLAG_CHOICES = tuple(c for c in A2A_CHOICES if c != "emulated")  # --all2all
 # The server's sizing on a CPU where --max-num-seqs / --max-num-batched-tokens are not given: a 4-lane agentic
 # session on 2 cores (serving/run.py applies it; the engine's own defaults are the fields').
 CPU_SERVER_DEFAULTS = {"max_num_seqs": 4, "max_num_batched_tokens": 1024}
-MAX_COMPILE_THREADS = 8  # start-up compilation threads when --compile-threads is 0
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join("~", ".cache", "dsv41-jax", "jax")  # `python -m serving.run`'s default
 # The smallest shapes a CPU server compiles quickly (one prefill and one decode bucket: 4 programs). The API
 # tests' shared server, their `python -m serving.run` subprocesses and the benchmarks' --cpu-smoke runs all use
@@ -146,10 +145,9 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default=None, metadata=cli(
         "JAX persistent compilation cache: a second start reuses compiled programs (none: off)",
         default=DEFAULT_COMPILATION_CACHE_DIR))
-    compile_threads: int = field(default=0, metadata=cli(
-        "programs compiled at once at start-up: each is traced in turn while XLA compiles up to this many "
-        f"(0: min({MAX_COMPILE_THREADS}, CPU cores); 1: one after another)",
-        shown=f"min({MAX_COMPILE_THREADS}, cores)"))
+    compile_threads: int = field(default=1, metadata=cli(
+        "XLA compilations at once at start-up; the programs are traced one after another, each while the "
+        "compilations of those before it run (1: one compilation at a time, overlapping the next trace)"))
     program_cache: bool = field(default=False, metadata=cli(
         "load the programs an earlier start compiled with the same code, model, flags and devices from the "
         "compilation cache directory without tracing them (serving/engine/program_cache.py: a restart in seconds); "
@@ -208,10 +206,8 @@ class EngineArgs:
         W = cfg.window_size
         if a.max_model_len < 2 or a.max_model_len > cfg.max_seq_len:
             raise ValueError(f"max_model_len {a.max_model_len} must be in [2, {cfg.max_seq_len}]")
-        if a.compile_threads < 0:
-            raise ValueError(f"compile_threads must be >= 0 (0: automatic), got {a.compile_threads}")
-        if a.compile_threads == 0:
-            a.compile_threads = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+        if a.compile_threads < 1:
+            raise ValueError(f"compile_threads must be >= 1, got {a.compile_threads}")
         if a.max_num_batched_tokens < W:
             raise ValueError(f"max_num_batched_tokens must be >= the window ({W}): the final prefill chunk "
                              "carries the decoder's last-window rows")

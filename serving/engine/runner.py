@@ -448,7 +448,7 @@ class Runner:
         if self.args.program_cache and self.args.compilation_cache_dir and not multi and not self.abstract:
             cache = ProgramCache(self.args.compilation_cache_dir, self.cfg, self.args, self.mesh, self.params,
                                  self.pools)
-        with ThreadPoolExecutor(self.args.compile_threads or 1) as pool, \
+        with ThreadPoolExecutor(self.args.compile_threads) as pool, \
                 tqdm(total=len(keys), desc="compiling programs", disable=not progress) as bar:
             pending = {}
             try:
