@@ -91,7 +91,7 @@ def test_flag_spellings_map_onto_engine_args():
             "--max-queued-requests", "6", "--no-enable-prompt-logprobs", "--execution", "eager", "--kernels", "xla",
             "--compilation-cache-dir", "~/some/cache", "--prefill-buckets", "256,64,64", "--decode-buckets", "2,1",
             "--seed", "7", "-tp", "2", "-dp", "4", "--enable-expert-parallel", "--all2all-backend", "padded",
-            "--moe-capacity-factor", "1.5", "--dp-load-cap", "3"]
+            "--moe-capacity-factor", "1.5", "--dp-load-cap", "3", "--compile-threads", "3", "--no-program-cache"]
     got = run.engine_args(run.build_parser().parse_args(argv), max_seq_len=4096, on_cpu=True)
     want = EngineArgs(max_model_len=300, max_num_seqs=3, max_num_batched_tokens=512, long_prefill_token_threshold=32,
                       prefill_schedule_interval=2, swa_bounded_replay=False, snapshot_slots=5,
@@ -99,7 +99,8 @@ def test_flag_spellings_map_onto_engine_args():
                       enable_prompt_logprobs=False, execution="eager", kernels="xla",
                       compilation_cache_dir=os.path.expanduser("~/some/cache"), prefill_buckets=(64, 256),
                       decode_buckets=(1, 2), seed=7, tensor_parallel_size=2, data_parallel_size=4,
-                      enable_expert_parallel=True, all2all_backend="padded", moe_capacity_factor=1.5, dp_load_cap=3)
+                      enable_expert_parallel=True, all2all_backend="padded", moe_capacity_factor=1.5, dp_load_cap=3,
+                      compile_threads=3, program_cache=False)
     assert got == want
     a = run.build_parser().parse_args(["--checkpoint", "small", "--api-key", "k1", "--api-key", "k2",
                                        "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v41"])
@@ -116,7 +117,7 @@ def test_flag_defaults_are_the_servers(on_cpu, monkeypatch):
     seqs, mbt = (4, 1024) if on_cpu else (8, 256)
     assert got == EngineArgs(max_model_len=8192, max_num_seqs=seqs, max_num_batched_tokens=mbt,
                              prefill_buckets=(mbt,) if on_cpu else (), decode_buckets=(seqs,) if on_cpu else (),
-                             compilation_cache_dir=os.path.expanduser("~/.cache/dsv41-jax/jax"))
+                             compilation_cache_dir=os.path.expanduser("~/.cache/dsv41-jax/jax"), program_cache=True)
     assert run.engine_args(a, max_seq_len=512, on_cpu=on_cpu).max_model_len == 512
     assert run.engine_args(run.build_parser().parse_args(["--compilation-cache-dir", "none"]), 512,
                            on_cpu).compilation_cache_dir is None
