@@ -11,8 +11,8 @@ upgrade that kept the cache) and sends the request again. Per start it records:
 - `compile_s` and `programs`: the engine's own "engine ready: N programs in S s" line (tracing, lowering, XLA's
   compilation or the cache reads);
 - `first_request_s`: one greedy completion of `--max-tokens` tokens after ready (that it serves), its tokens/s
-  and a hash of its text: every start of one model must give the same text (the programs loaded from the
-  program cache compute what the compiled ones did).
+  and a hash of its tokens with their logprobs: every start of one model must give the same hash (the programs
+  loaded from the program cache compute what the compiled ones did, bit for bit).
 The table printed last has one row per start. The result file keeps every server's last output lines.
 """
 
@@ -36,16 +36,17 @@ _READY_LINE = re.compile(r"engine ready: (\d+) programs in ([\d.]+) s(?:.*?(\d+)
 
 def one_request(url: str, max_tokens: int) -> dict:
     body = json.dumps({"prompt": "def main():\n", "max_tokens": max_tokens, "ignore_eos": True,
-                       "temperature": 0.0}).encode()
+                       "temperature": 0.0, "logprobs": 1}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         out = json.loads(r.read())
     dt = time.perf_counter() - t0
     n = out["usage"]["completion_tokens"]
-    text = out["choices"][0]["text"]
+    # the tokens and their logprobs (a random-weight model's text can be empty: bytes that decode to nothing)
+    seen = json.dumps(out["choices"][0]["logprobs"], sort_keys=True)
     return {"first_request_s": round(dt, 3), "completion_tokens": n, "tokens_per_s": round(n / dt, 1),
-            "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+            "logprobs_sha256": hashlib.sha256(seen.encode()).hexdigest()[:16]}
 
 
 def start(model: str, server_args: list[str], cache: str, threads: int, max_tokens: int, timeout: float) -> dict:
@@ -101,11 +102,11 @@ def main(argv=None):
                       f"first request {row['first_request_s']} s", flush=True)
                 save(a, argv, rows, skipped)  # after every start: a run cut short keeps what it measured
     save(a, argv, rows, skipped)
-    print("| threads | cache | ready s | programs (loaded) | compile s | first request s | tokens/s | text |")
+    print("| threads | cache | ready s | programs (loaded) | compile s | first request s | tokens/s | logprobs hash |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['threads']} | {r['cache']} | {r['ready_s']} | {r['programs']} ({r['loaded']}) | "
-              f"{r['compile_s']} | {r['first_request_s']} | {r['tokens_per_s']} | {r['text_sha256'][:8]} |")
+              f"{r['compile_s']} | {r['first_request_s']} | {r['tokens_per_s']} | {r['logprobs_sha256'][:8]} |")
 
 
 if __name__ == "__main__":
