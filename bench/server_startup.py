@@ -1,7 +1,7 @@
 """Server start-up: a cold start (empty persistent compilation cache) and a restart on that cache, to first token.
 
     python -m bench.server_startup --model medium --server-args "--weight-format fp8" --threads 1,8 \
-        --out bench/results/server_startup_medium_fp8.json
+        --out /tmp/server_startup.json
 
 For each `--threads` value (the server's `--compile-threads`) the script starts
 `python -m serving.run --model M SERVER_ARGS` on a fresh cache directory (cold), sends one request, stops it, then
