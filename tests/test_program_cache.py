@@ -79,8 +79,8 @@ def test_changed_source_or_a_damaged_entry_compiles_again(own_jax_cache, tiny_pa
         second = _engine(tmp_path, tiny_params)
     assert second.runner.program_cache_hits == n - 1 and "unusable" in caplog.text
     assert _greedy(second, prompts) == want
-    # on a CPU a program that JAX's own cache served is not stored (XLA:CPU cannot serialize it again)
-    assert len(list((tmp_path / pc.SUBDIR).glob("*.pkl"))) == n - (jax.default_backend() == "cpu")
+    # a program that JAX's own cache served is not stored (XLA:CPU cannot serialize it again)
+    assert len(list((tmp_path / pc.SUBDIR).glob("*.pkl"))) == n - 1
     del second
     monkeypatch.setattr(pc, "source_digest", lambda: "another tree")  # an edited module: every program misses
     third = _engine(tmp_path, tiny_params)
@@ -107,3 +107,17 @@ def test_library_engines_and_unkeyed_fields(tmp_path, tiny_params):
     other = jax.tree.map(lambda x: x.astype(np.float32) if x.dtype == jax.numpy.bfloat16 else x, tiny_params)
     c4 = pc.ProgramCache(str(tmp_path), plain.cfg, a, None, other, plain.runner.pools)
     assert c4.digest("k", ()) != c1.digest("k", ())  # parameter dtypes are part of the key
+
+
+def test_trim_keeps_the_most_recently_used_entries_within_the_byte_budget(tmp_path):
+    import os
+
+    for i in range(5):  # entry i is 100 bytes, used at time 1000 + i
+        f = tmp_path / f"{i}.pkl"
+        f.write_bytes(bytes(100))
+        os.utime(f, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "1.pkl", (2000, 2000))  # loaded recently: the most recent
+    pc.trim(tmp_path, 250)
+    assert sorted(p.name for p in tmp_path.glob("*.pkl")) == ["1.pkl", "4.pkl"]
+    pc.trim(tmp_path, 10)  # the newest entry stays even when alone over the budget
+    assert [p.name for p in tmp_path.glob("*.pkl")] == ["1.pkl"]

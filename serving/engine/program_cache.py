@@ -11,9 +11,11 @@ each executable by what the program is made from, known before any tracing:
 - the tree structure, shapes, dtypes and shardings of the parameters, the pools and the program's inputs;
 - the program key.
 An entry is the executable serialized by `jax.experimental.serialize_executable` with its argument and output trees,
-written to a temporary file and renamed (a reader never sees half an entry). On a CPU only an executable XLA
-compiled in this process is stored: XLA:CPU cannot serialize again one that JAX's persistent cache loaded (the
-stored copy fails when called: "Function ... not found"); `compile_fresh` tells the two apart. A missing,
+written to a temporary file and renamed (a reader never sees half an entry). Only an executable XLA compiled in
+this process is stored (`compile_fresh` tells it from one JAX's persistent cache served): XLA:CPU cannot serialize
+again an executable that JAX's cache loaded (the stored copy fails when called: "Function ... not found"), and on a
+GPU that round trip is not verified yet. So a program that JAX's cache serves is traced at every start until a start
+compiles it (an empty or other --compilation-cache-dir). A missing,
 unreadable or failing entry is a miss: the engine lowers and compiles that program as before (JAX's cache may still
 serve it) and rewrites the entry. Invariant: an entry is only ever the executable of the same source, config,
 flags, shapes and devices.
@@ -21,7 +23,7 @@ flags, shapes and devices.
 Not keyed, so not allowed while the cache is on: code that changes a traced function at run time (monkeypatching
 model functions); the engine turns the cache on only for `--program-cache` (the server's default), not for
 library callers (EngineArgs.program_cache defaults to False). Entries are not shared across processes of a
-multi-host run (the engine keeps it off there). The newest `MAX_ENTRIES` are kept.
+multi-host run (the engine keeps it off there). The most recently used entries within `MAX_BYTES` are kept.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 import jax
 
 FORMAT = 1
-MAX_ENTRIES = 256
+MAX_BYTES = 8 * 2 ** 30  # entries beyond this many bytes go, least recently used first
 SUBDIR = "dsv41_programs"
 # EngineArgs fields that change no compiled program
 UNKEYED_ARGS = ("compilation_cache_dir", "compile_threads", "program_cache", "session_ttl_s", "max_queued_requests",
@@ -109,7 +111,7 @@ class ProgramCache:
         keyed = {k: v for k, v in dataclasses.asdict(args).items() if k not in UNKEYED_ARGS}
         self._base = hashlib.sha256(repr([_process_fingerprint(), repr(cfg), repr(keyed), repr(mesh),
                                           tree_signature(params), tree_signature(pools)]).encode()).hexdigest()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.not_stored = 0
 
     def digest(self, key, inputs) -> str:
         return hashlib.sha256(f"{self._base}|{key!r}|{tree_signature(inputs)}".encode()).hexdigest()
@@ -135,11 +137,12 @@ class ProgramCache:
         return compiled
 
     def store(self, digest: str, compiled, fresh: bool = True) -> bool:
-        """Write `compiled` under `digest` (atomically); False where it cannot be serialized or written, or where
-        it is not `fresh` (loaded by JAX's persistent cache) on a CPU."""
+        """Write `compiled` under `digest` (atomically); False where it is not `fresh` (JAX's persistent cache
+        served it) or cannot be serialized or written."""
         from jax.experimental.serialize_executable import serialize
 
-        if not fresh and jax.default_backend() == "cpu":
+        if not fresh:
+            self.not_stored += 1
             return False
         try:
             blob = pickle.dumps(serialize(compiled))
@@ -154,6 +157,15 @@ class ProgramCache:
         return True
 
     def _trim(self):
-        entries = sorted(self.dir.glob("*.pkl"), key=lambda p: p.stat().st_mtime)
-        for p in entries[:-MAX_ENTRIES]:
+        trim(self.dir, MAX_BYTES)
+
+
+def trim(folder: Path, max_bytes: int):
+    """Remove the least recently used entries (by modification time: `load` touches an entry) until the folder's
+    entries fit in `max_bytes`; the newest entry always stays."""
+    entries = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
+    total = 0
+    for i, p in enumerate(entries):
+        total += p.stat().st_size
+        if i > 0 and total > max_bytes:
             p.unlink(missing_ok=True)

@@ -47,6 +47,7 @@ Parallel layouts (`args.parallel`, a dsv41_jax.sharding.Parallel; docs/PARALLELI
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
@@ -87,6 +88,8 @@ from serving.engine.step_io import (
     pack_outputs,
 )
 from serving.engine.types import MAX_LOGPROBS
+
+log = logging.getLogger(__name__)
 
 
 def _check_pallas_config(cfg):
@@ -473,6 +476,10 @@ class Runner:
                     f.cancel()
                 raise
         self.program_cache_hits = cache.hits if cache else 0
+        if cache and cache.not_stored:
+            log.info("%d programs came from JAX's compilation cache and are not in the program cache: they are "
+                     "traced at every start until one start compiles them (another --compilation-cache-dir)",
+                     cache.not_stored)
         if multi:
             self.channel = multihost.Channel(list(self.programs))
         return time.perf_counter() - t0
