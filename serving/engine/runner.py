@@ -442,11 +442,16 @@ class Runner:
         runs outside the GIL. The programs are the same whatever the thread count."""
         t0 = time.perf_counter()
         keys = [k for k in self.program_keys() if keep is None or keep(k)]
-        if self.args.execution == "eager":
-            for key in keys:
-                self.programs[key] = self._fn(key)
-            return time.perf_counter() - t0
         multi = self.mesh is not None and multihost.spans_processes(self.mesh)
+        if self.args.execution == "eager":
+            self.programs.update({key: self._fn(key) for key in keys})
+        else:
+            self._compile(keys, progress, multi)
+        if multi:
+            self.channel = multihost.Channel(list(self.programs))
+        return time.perf_counter() - t0
+
+    def _compile(self, keys, progress: bool, multi: bool):
         cache = None
         if self.args.program_cache and self.args.compilation_cache_dir and not multi and not self.abstract:
             cache = ProgramCache(self.args.compilation_cache_dir, self.cfg, self.args, self.mesh, self.params,
@@ -480,9 +485,6 @@ class Runner:
             log.info("%d programs came from JAX's compilation cache and are not in the program cache: they are "
                      "traced at every start until one start compiles them (another --compilation-cache-dir)",
                      cache.not_stored)
-        if multi:
-            self.channel = multihost.Channel(list(self.programs))
-        return time.perf_counter() - t0
 
     def _program_args(self, key: ProgramKey) -> tuple:
         """(function, donated argument index, *arguments) of one program, as `lower` traces it."""
