@@ -112,6 +112,7 @@ class ProgramCache:
         self._base = hashlib.sha256(repr([_process_fingerprint(), repr(cfg), repr(keyed), repr(mesh),
                                           tree_signature(params), tree_signature(pools)]).encode()).hexdigest()
         self.hits = self.misses = self.not_stored = 0
+        self._count = threading.Lock()  # load() runs on several threads
 
     def digest(self, key, inputs) -> str:
         return hashlib.sha256(f"{self._base}|{key!r}|{tree_signature(inputs)}".encode()).hexdigest()
@@ -122,7 +123,7 @@ class ProgramCache:
 
         path = self.dir / f"{digest}.pkl"
         if not path.is_file():
-            self.misses += 1
+            self._counted("misses")
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
@@ -130,11 +131,15 @@ class ProgramCache:
         except Exception as e:  # noqa: BLE001 - any failure is a miss: the program is compiled again
             log.warning("program cache entry %s unusable (%s: %s); compiling it again", path.name, type(e).__name__, e)
             path.unlink(missing_ok=True)
-            self.misses += 1
+            self._counted("misses")
             return None
         os.utime(path)  # recently used: kept by the trim
-        self.hits += 1
+        self._counted("hits")
         return compiled
+
+    def _counted(self, name: str):
+        with self._count:
+            setattr(self, name, getattr(self, name) + 1)
 
     def store(self, digest: str, compiled, fresh: bool = True) -> bool:
         """Write `compiled` under `digest` (atomically); False where it is not `fresh` (JAX's persistent cache

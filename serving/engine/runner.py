@@ -458,17 +458,20 @@ class Runner:
                                  self.pools)
         with ThreadPoolExecutor(self.args.compile_threads) as pool, \
                 tqdm(total=len(keys), desc="compiling programs", disable=not progress) as bar:
-            pending = {}
+            pending, loads = {}, {}
             try:
-                for key in keys:
-                    digest = cache.digest(key, self._program_args(key)[2:]) if cache else None
-                    loaded = cache.load(digest) if cache else None
+                digests = {key: cache.digest(key, self._program_args(key)[2:]) if cache else None for key in keys}
+                if cache:
+                    loads = {key: pool.submit(cache.load, digests[key]) for key in keys}
+                for key in keys:  # the stored programs load side by side (at most compile_threads at once)
+                    loaded = loads[key].result() if cache else None
                     if loaded is not None:
                         self.programs[key] = loaded
                         self.compile_count += 1
                         bar.update()
-                        continue
-                    pending[pool.submit(compile_fresh, self.lower(key))] = (key, digest)
+                for key in keys:
+                    if key not in self.programs:
+                        pending[pool.submit(compile_fresh, self.lower(key))] = (key, digests[key])
                 for done in as_completed(pending):
                     key, digest = pending[done]
                     self.programs[key], fresh = done.result()
@@ -477,7 +480,7 @@ class Runner:
                         cache.store(digest, self.programs[key], fresh)
                     bar.update()
             except BaseException:
-                for f in pending:
+                for f in [*pending, *loads.values()]:
                     f.cancel()
                 raise
         self.program_cache_hits = cache.hits if cache else 0
