@@ -146,8 +146,9 @@ class EngineArgs:
         "JAX persistent compilation cache: a second start reuses compiled programs (none: off)",
         default=DEFAULT_COMPILATION_CACHE_DIR))
     compile_threads: int = field(default=1, metadata=cli(
-        "XLA compilations at once at start-up; the programs are traced one after another, each while the "
-        "compilations of those before it run (1: one compilation at a time, overlapping the next trace)"))
+        "XLA compilations (and program-cache loads) at once at start-up; the programs are traced one after "
+        "another, each while the compilations of those before it run (1: one at a time, overlapping the next "
+        "trace)"))
     program_cache: bool = field(default=False, metadata=cli(
         "load the programs an earlier start compiled with the same code, model, flags and devices from the "
         "compilation cache directory without tracing them (serving/engine/program_cache.py: a restart in seconds); "

@@ -435,7 +435,8 @@ class Runner:
         `keep(key) -> bool` restricts the set (benchmarks that only decode).
 
         With `args.program_cache` (and a compilation cache directory) a program compiled by an earlier start of the
-        same code, model, flags and devices is loaded from disk without tracing (serving/engine/program_cache.py).
+        same code, model, flags and devices is loaded from disk without tracing (serving/engine/program_cache.py),
+        `compile_threads` loads at once.
         The others are traced and lowered one after another on this thread (tracing is Python, and the model's
         trace-time state is not shared across threads), and each lowered module is compiled on a pool of
         `compile_threads` threads while the next one is traced: XLA's compilation (and a persistent-cache read)
