@@ -149,28 +149,34 @@ class ProgramCache:
         if not fresh:
             self.not_stored += 1
             return False
+        tmp = None
         try:
             blob = pickle.dumps(serialize(compiled))
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, self.dir / f"{digest}.pkl")
+            trim(self.dir, MAX_BYTES)
         except Exception as e:  # noqa: BLE001 - the cache is an optimisation: the engine runs without it
             log.warning("program cache: could not store %s (%s: %s)", digest[:12], type(e).__name__, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             return False
-        self._trim()
         return True
-
-    def _trim(self):
-        trim(self.dir, MAX_BYTES)
 
 
 def trim(folder: Path, max_bytes: int):
     """Remove the least recently used entries (by modification time: `load` touches an entry) until the folder's
     entries fit in `max_bytes`; the newest entry always stays."""
-    entries = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
+    entries = []
+    for p in folder.glob("*.pkl"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # another process removed it
+            continue
+        entries.append((st.st_mtime, st.st_size, p))
     total = 0
-    for i, p in enumerate(entries):
-        total += p.stat().st_size
+    for i, (_, size, p) in enumerate(sorted(entries, key=lambda e: e[0], reverse=True)):
+        total += size
         if i > 0 and total > max_bytes:
             p.unlink(missing_ok=True)
