@@ -79,8 +79,10 @@ def test_changed_source_or_a_damaged_entry_compiles_again(own_jax_cache, tiny_pa
         second = _engine(tmp_path, tiny_params)
     assert second.runner.program_cache_hits == n - 1 and "unusable" in caplog.text
     assert _greedy(second, prompts) == want
-    # a program that JAX's own cache served is not stored (XLA:CPU cannot serialize it again)
-    assert len(list((tmp_path / pc.SUBDIR).glob("*.pkl"))) == n - 1
+    # the damaged program is compiled again: stored, unless JAX's own cache served it (it keeps programs that took
+    # over 0.5 s to compile), which is not stored (XLA:CPU cannot serialize it again)
+    skipped = second.runner.program_cache_not_stored
+    assert skipped in (0, 1) and len(list((tmp_path / pc.SUBDIR).glob("*.pkl"))) == n - skipped
     del second
     monkeypatch.setattr(pc, "source_digest", lambda: "another tree")  # an edited module: every program misses
     third = _engine(tmp_path, tiny_params)

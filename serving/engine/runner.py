@@ -162,6 +162,7 @@ class Runner:
         self.programs: dict[ProgramKey, object] = {}
         self.compile_count = 0
         self.program_cache_hits = 0  # programs loaded by compile_all from the program cache (no tracing)
+        self.program_cache_not_stored = 0  # compiled programs JAX's own cache served (not stored: program_cache.py)
         self.abstract = abstract
         self.channel = None  # multi-host: the driver -> followers command stream (serving.engine.multihost)
 
@@ -485,6 +486,7 @@ class Runner:
                     f.cancel()
                 raise
         self.program_cache_hits = cache.hits if cache else 0
+        self.program_cache_not_stored = cache.not_stored if cache else 0
         if cache and cache.not_stored:
             log.info("%d programs came from JAX's compilation cache and are not in the program cache: they are "
                      "traced at every start until one start compiles them (another --compilation-cache-dir)",
